@@ -1,0 +1,65 @@
+"""Proposer classes with drafter options baked into their import path.
+
+vLLM builds a custom proposer in its engine-core process from a dotted path
+(``speculative_config.model``) and rejects unknown config keys, so options
+travel in the class name: ``consensus_spec.configured.min_prob_0p4__max_depth_12``
+is ``ConsensusProposer`` with ``min_prob=0.4, max_depth=12``. Floats write
+``.`` as ``p`` and a leading ``-`` as ``m``; booleans are ``true``/``false``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from .drafter import DrafterOptions
+from .proposer import ConsensusProposer
+
+_FIELDS = {f.name: f.type for f in fields(DrafterOptions)}
+
+
+def encode(options: dict) -> str:
+    if not options:
+        return "defaults"
+    DrafterOptions.from_dict(options)  # fail here, not in the engine process
+    parts = []
+    for key in sorted(options):
+        value = options[key]
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, (int, float)):
+            text = repr(value).replace(".", "p").replace("-", "m").replace("+", "")
+        elif isinstance(value, str) and value.isidentifier():
+            text = value
+        else:
+            raise ValueError(f"option {key}={value!r} cannot be passed to vLLM's engine process")
+        parts.append(f"{key}_{text}")
+    return "__".join(parts)
+
+
+def decode(name: str) -> dict:
+    if name == "defaults":
+        return {}
+    options = {}
+    for part in name.split("__"):
+        key = next((k for k in _FIELDS if part.startswith(k + "_")), None)
+        if key is None:
+            raise AttributeError(f"unknown drafter option in {part!r}")
+        text = part[len(key) + 1:]
+        kind = _FIELDS[key]
+        if kind in ("bool", bool):
+            options[key] = text == "true"
+        elif kind in ("int", int):
+            options[key] = int(text.replace("m", "-"))
+        elif kind in ("float", float):
+            options[key] = float(text.replace("p", ".").replace("m", "-"))
+        else:
+            options[key] = text
+    return options
+
+
+def __getattr__(name: str):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    cls = type(f"ConsensusProposer_{name}", (ConsensusProposer,), {"options": decode(name)})
+    globals()[name] = cls
+    return cls

@@ -1,0 +1,199 @@
+"""Replay recorded multi-sample traces through drafters as vLLM's model runner
+calls them.
+
+All paths of a problem enter after prefill, each with its first token. Each
+step every row in the batch is passed to the drafter; a draft token is accepted
+iff it equals the recorded next token (exact for point-mass drafts under vLLM's
+rejection sampler), and the row advances by accepted + 1. Finished rows get one
+last propose call, as in vLLM, then leave, and the batch is condensed the way
+vLLM condenses it: the last row moves into each hole.
+
+With ``scouts=S`` the first S paths of each problem run first; the others join
+once that problem's scouts have finished, ahead of the next problem's scouts,
+so the batch stays full and followers can draft from finished siblings.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from .traces import Problem
+
+
+@dataclass
+class ReplayStats:
+    method: str
+    scouts: int
+    row_steps: int = 0      # verified row-steps
+    tokens: int = 0         # tokens produced by those steps
+    drafted: int = 0
+    accepted: int = 0
+    propose_rows: int = 0   # rows passed to the drafter, over all calls
+    propose_s: float = 0.0  # drafter wall time
+
+    @property
+    def tau(self) -> float:
+        return self.tokens / max(self.row_steps, 1)
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / max(self.drafted, 1)
+
+    @property
+    def drafts_per_step(self) -> float:
+        return self.drafted / max(self.row_steps, 1)
+
+    @property
+    def us_per_row(self) -> float:
+        return self.propose_s * 1e6 / max(self.propose_rows, 1)
+
+    def summary(self) -> dict:
+        return {**asdict(self), "tau": self.tau, "acceptance": self.acceptance,
+                "drafts_per_step": self.drafts_per_step, "us_per_row": self.us_per_row}
+
+
+class ReplayBatch:
+    """The fields of vLLM's ``InputBatch`` that model-free proposers read."""
+
+    def __init__(self, max_rows: int, max_len: int):
+        self.token_ids_cpu = np.zeros((max_rows, max_len), dtype=np.int32)
+        self.num_tokens_no_spec = np.zeros(max_rows, dtype=np.int32)
+        self.num_prompt_tokens = np.zeros(max_rows, dtype=np.int32)
+        self.req_ids: list[str] = []
+        self.req_id_to_index: dict[str, int] = {}
+
+
+class _Row:
+    __slots__ = ("req_id", "problem", "seq", "n", "done")
+
+    def __init__(self, req_id: str, problem: int, seq: list[int], n: int):
+        self.req_id, self.problem, self.seq, self.n, self.done = req_id, problem, seq, n, False
+
+
+class _Admission:
+    """Order in which paths enter: followers of problems whose scouts are done
+    first, then the next problem's scouts (all paths when scouts=0)."""
+
+    def __init__(self, problems: list[Problem], scouts: int):
+        self.problems = problems
+        self.scouts = scouts
+        self.next_problem = 0
+        self.ready: deque[tuple[int, int]] = deque()      # followers
+        self.opening: deque[tuple[int, int]] = deque()    # current problem's first paths
+        self.scouts_left: dict[int, int] = {}
+
+    def pop(self):
+        if self.ready:
+            return self.ready.popleft()
+        if not self.opening and self.next_problem < len(self.problems):
+            p = self.next_problem
+            self.next_problem += 1
+            n = len(self.problems[p].completions)
+            first = n if self.scouts <= 0 else min(self.scouts, n)
+            self.opening.extend((p, s) for s in range(first))
+            self.scouts_left[p] = first if first < n else 0
+        return self.opening.popleft() if self.opening else None
+
+    def finished(self, p: int) -> None:
+        if self.scouts_left.get(p, 0) > 0:
+            self.scouts_left[p] -= 1
+            if self.scouts_left[p] == 0:
+                n = len(self.problems[p].completions)
+                self.ready.extend((p, s) for s in range(self.scouts, n))
+
+
+def replay(problems: list[Problem], drafter, method: str, k: int, max_rows: int,
+           scouts: int = 0, progress=None) -> ReplayStats:
+    if max_rows < 1 or k < 0:
+        raise ValueError("need max_rows >= 1 and k >= 0")
+    max_len = max(len(p.prompt) + max(map(len, p.completions)) for p in problems) + k + 2
+    batch = ReplayBatch(max_rows, max_len)
+    stats = ReplayStats(method, scouts)
+    admission = _Admission(problems, scouts)
+    rows: list[_Row] = []
+    sampled: list[list[int]] = []
+
+    def set_row(i: int, row: _Row) -> None:
+        batch.req_ids[i] = row.req_id
+        batch.req_id_to_index[row.req_id] = i
+        batch.num_tokens_no_spec[i] = row.n
+
+    while True:
+        while len(rows) < max_rows and (nxt := admission.pop()) is not None:
+            p, s = nxt
+            prob = problems[p]
+            seq = prob.prompt + prob.completions[s]
+            row = _Row(f"{p}-{s}", p, seq, len(prob.prompt) + 1)
+            i = len(rows)
+            rows.append(row)
+            sampled.append([seq[row.n - 1]])
+            batch.req_ids.append(row.req_id)
+            batch.token_ids_cpu[i, :row.n] = seq[:row.n]
+            batch.num_prompt_tokens[i] = len(prob.prompt)
+            set_row(i, row)
+        if not rows:
+            break
+
+        t0 = time.perf_counter()
+        drafts = drafter(sampled, batch)
+        stats.propose_s += time.perf_counter() - t0
+        stats.propose_rows += len(rows)
+
+        if any(r.done for r in rows):
+            _condense(rows, sampled, drafts, batch, set_row)
+
+        for i, row in enumerate(rows):
+            draft = list(drafts[i])[:k]
+            future = row.seq[row.n:row.n + len(draft)]
+            acc = 0
+            while acc < len(future) and draft[acc] == future[acc]:
+                acc += 1
+            new = row.seq[row.n:row.n + acc + 1]
+            batch.token_ids_cpu[i, row.n:row.n + len(new)] = new
+            row.n += len(new)
+            batch.num_tokens_no_spec[i] = row.n
+            sampled[i] = new
+            stats.row_steps += 1
+            stats.tokens += len(new)
+            stats.drafted += len(draft)
+            stats.accepted += acc
+            if row.n >= len(row.seq):
+                row.done = True
+                admission.finished(row.problem)
+                if progress is not None:
+                    progress.update(1)
+    return stats
+
+
+def _condense(rows, sampled, drafts, batch, set_row) -> None:
+    """Drop finished rows; fill each hole with the last live row (vLLM's condense)."""
+    holes = [i for i, r in enumerate(rows) if r.done]
+    for i in holes:
+        del batch.req_id_to_index[rows[i].req_id]
+    last = len(rows) - 1
+    for hole in holes:
+        while last > hole and rows[last].done:
+            last -= 1
+        if last <= hole:
+            break
+        rows[hole], sampled[hole], drafts[hole] = rows[last], sampled[last], drafts[last]
+        batch.token_ids_cpu[hole, :rows[hole].n] = batch.token_ids_cpu[last, :rows[hole].n]
+        batch.num_prompt_tokens[hole] = batch.num_prompt_tokens[last]
+        rows[last] = _DONE
+        set_row(hole, rows[hole])
+        last -= 1
+    live = len(rows) - len(holes)
+    del rows[live:], sampled[live:], batch.req_ids[live:]
+    if isinstance(drafts, list):
+        del drafts[live:]
+
+
+class _Done:
+    done = True
+
+
+_DONE = _Done()
