@@ -21,14 +21,14 @@ from .trie import SuffixTrie
 
 @dataclass(frozen=True)
 class DrafterOptions:
-    max_depth: int = 16             # longest context (tokens) matched in a trie
-    min_prob: float = 0.3           # stop once P(this draft token accepted) < min_prob
-    min_match: int = 2              # shortest context a draft may come from
-    prior: float = 0.5              # pseudo-count: one sighting is not certainty
-    cross_group_weight: float = 0.5  # other prompts' outputs count this much of siblings'
+    max_depth: int = 12             # longest context (tokens) matched in a trie
+    min_prob: float = 0.1           # stop once P(this draft token accepted) < min_prob
+    min_match: int = 1              # shortest context a draft may come from
+    prior: float = 0.0              # pseudo-count added to each node's total
+    cross_group_weight: float = 0.8  # other prompts' outputs count this much of siblings'
     prompt_tokens: int = 1024       # prompt tail indexed per group
-    max_group_tokens: int = 2_000_000  # LRU budget over all groups' tries
-    cross_group_tokens: int = 500_000  # size of one cross-group trie generation
+    max_group_tokens: int = 400_000  # LRU budget over all groups' tries
+    cross_group_tokens: int = 200_000  # the cross-group trie restarts beyond this
 
     def __post_init__(self):
         if self.max_depth < 1 or self.min_match < 1 or self.min_match > self.max_depth:
@@ -50,12 +50,13 @@ class DrafterOptions:
 
 
 class Group:
-    __slots__ = ("trie", "prompt_node", "num_paths")
+    __slots__ = ("trie", "prompt_node", "num_paths", "alive")
 
     def __init__(self, max_depth: int, prompt_tail):
         self.trie = SuffixTrie(max_depth)
         self.prompt_node = self.trie.extend(SuffixTrie.ROOT, prompt_tail)
         self.num_paths = 0
+        self.alive = True
 
 
 class Path:
@@ -110,6 +111,9 @@ class ConsensusDrafter:
         """Record output tokens the path has generated."""
         if not len(tokens):
             return
+        if not path.group.alive:  # evicted under it: continue in a private group
+            path.group = Group(self.options.max_depth, [])
+            path.node = SuffixTrie.ROOT
         path.node = path.group.trie.extend(path.node, tokens)
         self._group_tokens += len(tokens)
         if path.cross is not self._cross:  # the cross-group trie was renewed
@@ -132,9 +136,11 @@ class ConsensusDrafter:
         chance that the token is accepted, drops below ``min_prob``.
         """
         o = self.options
-        tries = [path.group.trie]
-        nodes = [path.node]
-        weights = [1.0]
+        tries, nodes, weights = [], [], []
+        if path.group.alive:
+            tries.append(path.group.trie)
+            nodes.append(path.node)
+            weights.append(1.0)
         if o.cross_group_weight > 0 and path.cross is self._cross:
             tries.append(self._cross)
             nodes.append(path.cross_node)
@@ -166,3 +172,5 @@ class ConsensusDrafter:
         while self._group_tokens > self.options.max_group_tokens and len(self._groups) > 1:
             _, group = self._groups.popitem(last=False)
             self._group_tokens -= group.trie.num_tokens
+            group.alive = False
+            group.trie = SuffixTrie(1)  # free it even while parked paths point here

@@ -22,29 +22,28 @@ class ConsensusProposer:
         sched = getattr(vllm_config, "scheduler_config", None)
         max_num_seqs = int(getattr(sched, "max_num_seqs", 0) or 256)
         self.drafter = ConsensusDrafter(DrafterOptions.from_dict({**self.options, **options}))
-        self.rows = RowTracker(self.drafter.add_path, max_parked=max(4096, 8 * max_num_seqs))
+        self.rows = RowTracker(self.drafter.add_path, max_parked=64 + 4 * max_num_seqs)
         self.num_drafted = 0   # draft tokens proposed
         self.num_accepted = 0  # of those, accepted by the verifier
         self._drafted_last: dict[int, int] = {}
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
                 slot_mappings=None) -> list[list[int]]:
-        paths = self.rows.paths_for(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        rows = self.rows.update(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         drafted_last, self._drafted_last = self._drafted_last, {}
         # Record every row's new tokens before drafting any, so each path
         # drafts from its siblings' tokens of this very step.
-        for i, path in enumerate(paths):
-            if path is not None:
-                sampled = sampled_token_ids[i]
-                if i in drafted_last:
-                    self.num_accepted += min(len(sampled) - 1, drafted_last[i])
-                self.drafter.extend(path, sampled)
-                self.rows.advance(i, int(num_tokens_no_spec[i]), sampled)
+        for i, entry in enumerate(rows):
+            if entry is not None:
+                path, new, contiguous = entry
+                if contiguous and i in drafted_last:
+                    self.num_accepted += min(len(sampled_token_ids[i]) - 1, drafted_last[i])
+                self.drafter.extend(path, new)
         drafts: list[list[int]] = []
-        for i, path in enumerate(paths):
-            budget = 0 if path is None else min(
+        for i, entry in enumerate(rows):
+            budget = 0 if entry is None else min(
                 self.num_speculative_tokens, self.max_model_len - int(num_tokens_no_spec[i]) - 1)
-            draft = self.drafter.draft(path, budget) if budget > 0 else []
+            draft = self.drafter.draft(entry[0], budget) if budget > 0 else []
             if draft:
                 self.num_drafted += len(draft)
                 self._drafted_last[i] = len(draft)

