@@ -10,7 +10,7 @@ WORDS = ("the a one two three four five six seven eight nine ten plus minus time
          "and so we have then answer total each apples cars more less left gives").split()
 
 
-def build_tiny_llama(path: str, seed: int = 0, vocab_extra: int = 200) -> str:
+def build_tiny_llama(path: str, seed: int = 0, vocab_extra: int = 200, init_std: float = 0.5) -> str:
     """Write config, random weights and a tokenizer to ``path``; return it."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
@@ -30,9 +30,10 @@ def build_tiny_llama(path: str, seed: int = 0, vocab_extra: int = 200) -> str:
     cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=128, intermediate_size=256,
                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
                       head_dim=64, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
-                      pad_token_id=2, tie_word_embeddings=True, torch_dtype="bfloat16")
+                      pad_token_id=2, tie_word_embeddings=True, torch_dtype="float32",
+                      initializer_range=init_std)  # large weights: varied text, clear argmax
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model = LlamaForCausalLM(cfg)
     model.save_pretrained(path, safe_serialization=True)
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": 1, "eos_token_id": 2}, f)
