@@ -16,19 +16,21 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from .budget import cost_model
 from .trie import SuffixTrie
 
 
 @dataclass(frozen=True)
 class DrafterOptions:
     max_depth: int = 12             # longest context (tokens) matched in a trie
-    min_prob: float = 0.1           # stop once P(this draft token accepted) < min_prob
+    min_prob: float = 0.05          # stop once P(this draft token accepted) < min_prob
     min_match: int = 1              # shortest context a draft may come from
     prior: float = 0.0              # pseudo-count added to each node's total
     cross_group_weight: float = 0.8  # other prompts' outputs count this much of siblings'
     prompt_tokens: int = 1024       # prompt tail indexed per group
     max_group_tokens: int = 400_000  # LRU budget over all groups' tries
     cross_group_tokens: int = 200_000  # the cross-group trie restarts beyond this
+    cost_model: str = "h200_7b"     # step-cost model for the batch-aware budget, or "off"
 
     def __post_init__(self):
         if self.max_depth < 1 or self.min_match < 1 or self.min_match > self.max_depth:
@@ -39,6 +41,7 @@ class DrafterOptions:
             raise ValueError("prior must be >= 0 and cross_group_weight in [0, 1]")
         if min(self.prompt_tokens, self.max_group_tokens, self.cross_group_tokens) < 0:
             raise ValueError("token budgets must be >= 0")
+        cost_model(self.cost_model)  # validates the name
 
     @classmethod
     def from_dict(cls, options: dict) -> "DrafterOptions":
@@ -126,8 +129,9 @@ class ConsensusDrafter:
         if self._group_tokens > self.options.max_group_tokens:
             self._evict()
 
-    def draft(self, path: Path, max_tokens: int) -> list[int]:
-        """Most likely continuation of ``path``, at most ``max_tokens`` long.
+    def draft(self, path: Path, max_tokens: int) -> tuple[list[int], list[float]]:
+        """Most likely continuation of ``path``, at most ``max_tokens`` long,
+        with the estimated chance that each prefix is accepted.
 
         Each token comes from whichever source (siblings, or all recent
         outputs at ``cross_group_weight``) scores higher on
@@ -146,6 +150,7 @@ class ConsensusDrafter:
             nodes.append(path.cross_node)
             weights.append(o.cross_group_weight)
         out: list[int] = []
+        probs: list[float] = []
         p = 1.0
         while len(out) < max_tokens:
             chosen, best_score, best_prob = None, 0.0, 0.0
@@ -164,9 +169,10 @@ class ConsensusDrafter:
                 break
             s, (tok, _, _, _, child) = chosen
             out.append(tok)
+            probs.append(p)
             for j, trie in enumerate(tries):
                 nodes[j] = child if j == s else trie.step(nodes[j], tok)
-        return out
+        return out, probs
 
     def _evict(self) -> None:
         while self._group_tokens > self.options.max_group_tokens and len(self._groups) > 1:

@@ -8,6 +8,7 @@ present) are read, so offline tools can build it from a light stand-in.
 
 from __future__ import annotations
 
+from .budget import AcceptanceCalibrator, choose_lengths, cost_model
 from .drafter import ConsensusDrafter, DrafterOptions
 from .rows import RowTracker
 
@@ -22,32 +23,46 @@ class ConsensusProposer:
         sched = getattr(vllm_config, "scheduler_config", None)
         max_num_seqs = int(getattr(sched, "max_num_seqs", 0) or 256)
         self.drafter = ConsensusDrafter(DrafterOptions.from_dict({**self.options, **options}))
+        self.cost = cost_model(self.drafter.options.cost_model)
         self.rows = RowTracker(self.drafter.add_path, max_parked=64 + 4 * max_num_seqs)
         self.num_drafted = 0   # draft tokens proposed
         self.num_accepted = 0  # of those, accepted by the verifier
-        self._drafted_last: dict[int, int] = {}
+        self.calibrator = AcceptanceCalibrator()
+        self._sent: dict[int, list[float]] = {}  # row -> estimates of the draft it was sent
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
                 slot_mappings=None) -> list[list[int]]:
         rows = self.rows.update(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
-        drafted_last, self._drafted_last = self._drafted_last, {}
+        sent, self._sent = self._sent, {}
+        seen_probs, seen_accepted = [], []
         # Record every row's new tokens before drafting any, so each path
         # drafts from its siblings' tokens of this very step.
         for i, entry in enumerate(rows):
             if entry is not None:
                 path, new, contiguous = entry
-                if contiguous and i in drafted_last:
-                    self.num_accepted += min(len(sampled_token_ids[i]) - 1, drafted_last[i])
+                if contiguous and i in sent:
+                    accepted = min(len(sampled_token_ids[i]) - 1, len(sent[i]))
+                    self.num_accepted += accepted
+                    seen_probs.append(sent[i])
+                    seen_accepted.append(accepted)
                 self.drafter.extend(path, new)
+        self.calibrator.observe(seen_probs, seen_accepted)
         drafts: list[list[int]] = []
+        probs: list[list[float]] = []
         for i, entry in enumerate(rows):
-            budget = 0 if entry is None else min(
+            room = 0 if entry is None else min(
                 self.num_speculative_tokens, self.max_model_len - int(num_tokens_no_spec[i]) - 1)
-            draft = self.drafter.draft(entry[0], budget) if budget > 0 else []
+            draft, p = self.drafter.draft(entry[0], room) if room > 0 else ([], [])
+            drafts.append(draft)
+            probs.append(p)
+        if self.cost is not None:
+            lengths = choose_lengths([self.calibrator(p) for p in probs],
+                                     len(sampled_token_ids), self.cost)
+            drafts = [d[:n] for d, n in zip(drafts, lengths)]
+        for i, draft in enumerate(drafts):
             if draft:
                 self.num_drafted += len(draft)
-                self._drafted_last[i] = len(draft)
-            drafts.append(draft)
+                self._sent[i] = probs[i][:len(draft)]  # raw estimates, for calibration
         return drafts
 
     def load_model(self, *args, **kwargs) -> None:

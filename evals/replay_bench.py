@@ -29,7 +29,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     ap.add_argument("--scouts", type=int, nargs="+", default=[0, 1], help="scout counts to run")
-    ap.add_argument("--max-rows", type=int, default=64, help="batch rows in the replay")
+    ap.add_argument("--batches", type=int, nargs="+", default=list(PROJECTED_BATCHES),
+                    help="batch sizes (rows) to replay at; each is projected at its own size")
     ap.add_argument("--limit", type=int, help="first N problems of each set")
     ap.add_argument("--tokenizer", help="tokenizer.json (default: shared GPT-2)")
     ap.add_argument("--costs", default=shared_path("costs", "h200_qwen2.5-7b_step_ms.jsonl"))
@@ -37,8 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="consensus drafter option, e.g. min_prob=0.3 (repeatable)")
     ap.add_argument("--out", default="results/replay", help="output prefix (.json and .md)")
     args = ap.parse_args(argv)
-    if args.k < 1 or args.max_rows < 1 or any(s < 0 for s in args.scouts):
-        ap.error("--k and --max-rows must be >= 1 and --scouts >= 0")
+    if args.k < 1 or min(args.batches) < 1 or any(s < 0 for s in args.scouts):
+        ap.error("--k and --batches must be >= 1 and --scouts >= 0")
     if args.limit is not None and args.limit < 1:
         ap.error("--limit must be >= 1")
     return args
@@ -50,7 +51,10 @@ def parse_options(pairs: list[str]) -> dict:
         key, sep, value = pair.partition("=")
         if not sep:
             raise ValueError(f"--option expects KEY=VALUE, got {pair!r}")
-        out[key] = json.loads(value) if value not in ("", None) else value
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value  # a bare string such as cost_model=off
     return out
 
 
@@ -64,32 +68,32 @@ def run(args) -> list[dict]:
         max_len = max(len(p.prompt) + max(map(len, p.completions)) for p in problems) + args.k + 2
         n_paths = sum(len(p.completions) for p in problems)
         name = os.path.basename(path).removesuffix(".jsonl")
-        for scouts in args.scouts:
-            for method in args.methods:
-                if scouts and method == "none":
-                    continue  # scouts change nothing without drafting
-                drafter = make_drafter(method, args.k, max_len, args.max_rows, options)
-                with tqdm(total=n_paths, desc=f"{name} {method} S={scouts}", leave=False) as bar:
-                    stats = replay(problems, drafter, method, args.k, args.max_rows, scouts, bar)
-                row = {"traces": name, "problems": len(problems), **stats.summary()}
-                if costs is not None:
-                    row["projected_speedup"] = {
-                        b: costs.speedup(b, stats.tau, stats.drafts_per_step, stats.us_per_row)
-                        for b in PROJECTED_BATCHES}
-                results.append(row)
+        for batch in args.batches:
+            for scouts in args.scouts:
+                for method in args.methods:
+                    if scouts and method == "none":
+                        continue  # scouts change nothing without drafting
+                    drafter = make_drafter(method, args.k, max_len, batch, options)
+                    desc = f"{name} B={batch} {method} S={scouts}"
+                    with tqdm(total=n_paths, desc=desc, leave=False) as bar:
+                        stats = replay(problems, drafter, method, args.k, batch, scouts, bar)
+                    row = {"traces": name, "problems": len(problems), "batch": batch, **stats.summary()}
+                    if costs is not None and batch in costs.batch_sizes:
+                        row["projected_speedup"] = costs.speedup(
+                            batch, stats.tau, stats.drafts_per_step, stats.us_per_row)
+                    results.append(row)
     return results
 
 
 def markdown(results: list[dict]) -> str:
-    head = ("| traces | method | scouts | tau | accept | drafts/step | drafter µs/row-step | "
-            + " | ".join(f"projected H200 ×, B={b}" for b in PROJECTED_BATCHES) + " |")
-    lines = [head, "|" + "---|" * (7 + len(PROJECTED_BATCHES))]
+    lines = ["| traces | batch | method | scouts | tau | accept | drafts/step | drafter µs/row-step "
+             "| projected H200 speedup |", "|" + "---|" * 9]
     for r in results:
-        proj = r.get("projected_speedup") or {}
+        proj = r.get("projected_speedup")
         lines.append(
-            f"| {r['traces']} | {r['method']} | {r['scouts']} | {r['tau']:.2f} | {r['acceptance']:.2f} | "
-            f"{r['drafts_per_step']:.2f} | {r['us_per_row']:.1f} | "
-            + " | ".join(f"{proj[b]:.2f}" if b in proj else "-" for b in PROJECTED_BATCHES) + " |")
+            f"| {r['traces']} | {r['batch']} | {r['method']} | {r['scouts']} | {r['tau']:.2f} | "
+            f"{r['acceptance']:.2f} | {r['drafts_per_step']:.2f} | {r['us_per_row']:.1f} | "
+            + (f"{proj:.2f}" if proj is not None else "-") + " |")
     return "\n".join(lines)
 
 

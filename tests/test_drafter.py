@@ -8,13 +8,17 @@ from consensus_spec import ConsensusDrafter, DrafterOptions
 PROMPT = [100, 101, 102, 103]
 
 
+def tokens(drafter, path, k):
+    return drafter.draft(path, k)[0]
+
+
 def test_drafts_what_siblings_wrote_after_the_same_context():
     d = ConsensusDrafter(DrafterOptions(min_prob=0.0))
     a, b = d.add_path(PROMPT), d.add_path(PROMPT)
     d.extend(a, [1, 2, 3, 4, 5, 6, 7])
     d.extend(b, [1, 2, 3])
-    assert d.draft(b, 4) == [4, 5, 6, 7]
-    assert d.draft(b, 2) == [4, 5]
+    assert tokens(d, b, 4) == [4, 5, 6, 7]
+    assert tokens(d, b, 2) == [4, 5]
     assert d.num_groups == 1
 
 
@@ -25,7 +29,7 @@ def test_majority_wins_and_disagreement_ends_the_draft():
         d.extend(p, [1, 2] + tail)
     d.extend(paths[3], [1, 2])
     # all three agree on 9, then split three ways: 1/3 < 0.5 stops the draft
-    assert d.draft(paths[3], 8) == [9]
+    assert tokens(d, paths[3], 8) == [9]
 
 
 def test_other_prompts_do_not_count_as_siblings():
@@ -34,7 +38,7 @@ def test_other_prompts_do_not_count_as_siblings():
     d.extend(other, [1, 2, 3, 4])
     mine = d.add_path(PROMPT)
     d.extend(mine, [1, 2])
-    assert d.draft(mine, 4) == []
+    assert tokens(d, mine, 4) == []
     assert d.num_groups == 2
 
 
@@ -44,7 +48,7 @@ def test_cross_group_fallback_when_siblings_have_nothing():
     d.extend(other, [1, 2, 3, 4])
     mine = d.add_path(PROMPT)
     d.extend(mine, [1, 2])
-    assert d.draft(mine, 2) == [3, 4]
+    assert tokens(d, mine, 2) == [3, 4]
 
 
 def test_siblings_outrank_other_groups():
@@ -56,7 +60,7 @@ def test_siblings_outrank_other_groups():
     d.extend(sib, [1, 2, 3, 5])
     mine = d.add_path(PROMPT)
     d.extend(mine, [1, 2, 3])
-    assert d.draft(mine, 1) == [5]
+    assert tokens(d, mine, 1) == [5]
 
 
 def test_draft_length_follows_confidence_and_cap():
@@ -65,11 +69,12 @@ def test_draft_length_follows_confidence_and_cap():
     d.extend(paths[0], [1, 2, 3, 4, 5, 6])
     d.extend(paths[1], [1, 2, 3, 8, 8, 8])
     d.extend(paths[2], [1, 2])
-    draft = d.draft(paths[2], 8)
-    # 3 is certain; after it the two siblings split 1:1 -> P = 0.5, then 0.5 * 1 ...
-    assert draft[0] == 3 and len(draft) >= 2
-    assert d.draft(paths[2], 1) == [3]
-    assert d.draft(paths[2], 0) == []
+    draft, probs = d.draft(paths[2], 8)
+    # 3 is certain; after it the two siblings split 1:1: P = 0.5, then 0.5 * 1 ...
+    assert draft[:2] == [3, 4] and probs[:2] == [1.0, 0.5]
+    assert all(a >= b for a, b in zip(probs, probs[1:]))
+    assert tokens(d, paths[2], 1) == [3]
+    assert tokens(d, paths[2], 0) == []
 
 
 def test_unknown_or_invalid_options_are_clear_errors():
@@ -93,7 +98,7 @@ def test_memory_stays_flat_over_ten_thousand_paths():
             for _ in range(4):
                 for p in paths:
                     d.extend(p, [rng.choice(vocab) for _ in range(3)])
-                    d.draft(p, 4)
+                    tokens(d, p, 4)
 
     run_groups(250)  # 2,000 paths: caches reach their budgets
     tracemalloc.start()

@@ -35,6 +35,7 @@ class Engine:
 
 
 def make(**options):
+    options.setdefault("cost_model", "off")
     return ConsensusProposer(stand_in_config(k=4, max_model_len=200, max_num_seqs=8), **options)
 
 
@@ -97,7 +98,8 @@ def test_chunked_prefill_rows_get_no_draft_and_missed_steps_are_caught_up():
 
 
 def test_drafts_respect_k_and_max_model_len():
-    p = ConsensusProposer(stand_in_config(k=3, max_model_len=12, max_num_seqs=8), min_prob=0.0)
+    p = ConsensusProposer(stand_in_config(k=3, max_model_len=12, max_num_seqs=8), min_prob=0.0,
+                          cost_model="off")
     e = Engine(p)
     e.load(0, PROMPT)
     e.load(1, PROMPT)

@@ -1,0 +1,72 @@
+import json
+import os
+
+import numpy as np
+import pytest
+
+from consensus_spec.budget import COST_MODELS, choose_lengths, cost_model
+
+H200 = COST_MODELS["h200_7b"]
+
+
+def test_small_batches_draft_long_large_batches_only_what_pays():
+    confident = [1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65]
+    doubtful = [0.3, 0.1, 0.05]
+    small = choose_lengths([confident, doubtful] * 8, 16, H200)
+    large = choose_lengths([confident, doubtful] * 64, 128, H200)
+    assert small[0] == 8 and small[1] >= 1
+    assert large[0] < 8 and large[1] == 0
+    assert sum(large) / 128 < sum(small) / 16
+
+
+def test_lengths_are_prefixes_of_the_drafts_and_rows_without_drafts_count():
+    probs = [[0.9, 0.5], [], [0.99]]
+    lengths = choose_lengths(probs, 3, H200)
+    assert all(0 <= n <= len(p) for n, p in zip(lengths, probs))
+    assert choose_lengths([[], []], 2, H200) == [0, 0]
+
+
+def test_choice_maximises_expected_tokens_per_step_time():
+    rng = np.random.default_rng(0)
+    probs = [sorted(rng.uniform(0, 1, 8), reverse=True) for _ in range(64)]
+    probs = [list(np.cumprod(p)) for p in probs]
+    lengths = choose_lengths(probs, 64, H200)
+
+    def rate(ls):
+        gain = 64 + sum(sum(p[:n]) for p, n in zip(probs, ls))
+        return gain / H200.step_ms(64, 1 + sum(ls) / 64)
+
+    best = rate(lengths)
+    for delta in (-1, 1):  # no uniform nudge of the threshold does better
+        assert rate([max(0, min(len(p), n + delta)) for p, n in zip(probs, lengths)]) <= best + 1e-9
+
+
+def test_unknown_cost_model_is_a_clear_error():
+    assert cost_model("off") is None
+    with pytest.raises(ValueError, match="unknown cost model"):
+        cost_model("h100_70b")
+
+
+TABLE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "costs",
+                     "h200_qwen2.5-7b_step_ms.jsonl")
+
+
+@pytest.mark.skipif(not os.path.exists(TABLE), reason=f"shared cost table not found at {TABLE}")
+def test_fitted_model_tracks_the_measured_table():
+    rows = [json.loads(line) for line in open(TABLE)]
+    err = [abs(H200.step_ms(r["B"], r["q"]) - r["ms"]) / r["ms"] for r in rows]
+    assert np.mean(err) < 0.05 and max(err) < 0.3
+
+
+def test_calibrator_learns_that_estimates_run_high():
+    from consensus_spec.budget import AcceptanceCalibrator
+
+    cal = AcceptanceCalibrator(bins=10, prior=5.0, decay=1.0)
+    assert cal([0.95])[0] == pytest.approx(0.95)  # unseen: trusts the estimate
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # the drafter says 0.95, the verifier accepts 30%
+        cal.observe([[0.95]], [int(rng.uniform() < 0.3)])
+    assert cal([0.95])[0] == pytest.approx(0.3, abs=0.08)
+    # along a draft the calibrated chance never rises
+    out = cal([0.95, 0.55])
+    assert out[1] <= out[0]
