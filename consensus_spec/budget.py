@@ -57,25 +57,33 @@ def cost_model(name: str) -> StepCostModel | None:
     return COST_MODELS[name]
 
 
-def choose_lengths(probs: list[list[float]], batch: int, model: StepCostModel) -> list[int]:
+def _valid(lengths: np.ndarray, k: int) -> np.ndarray:
+    """(R, k) mask of the entries inside each row's draft."""
+    return np.arange(k)[None, :] < np.asarray(lengths)[:, None]
+
+
+def choose_lengths(probs: np.ndarray, lengths: np.ndarray, batch: int,
+                   model: StepCostModel) -> np.ndarray:
     """Per-row draft lengths maximising expected tokens per step time.
 
-    ``probs[i][j]`` is the chance that row i's first j+1 draft tokens are all
-    accepted (non-increasing in j); ``batch`` counts every row in the step,
-    drafting or not.
+    ``probs[i, j]`` (an R x k array; entries ``j >= lengths[i]`` are ignored)
+    is the chance that row i's first j+1 draft tokens are all accepted,
+    non-increasing in j. ``batch`` counts every row in the step, drafting or
+    not. Returns lengths no longer than ``lengths``.
     """
-    flat = np.fromiter((p for row in probs for p in row), dtype=np.float64)
+    probs = np.asarray(probs, dtype=np.float64)
+    valid = _valid(lengths, probs.shape[1]) if probs.ndim == 2 else np.zeros((0, 0), bool)
+    flat = probs[valid]
     if flat.size == 0 or batch <= 0:
-        return [0] * len(probs)
+        return np.zeros(len(lengths), np.int64)
     order = np.sort(flat)[::-1]
     kept = np.arange(order.size + 1)
     gain = batch + np.concatenate(([0.0], np.cumsum(order)))
     rate = gain / model.step_ms(batch, 1.0 + kept / batch)
     best = int(np.argmax(rate))
     if best == 0:
-        return [0] * len(probs)
-    threshold = order[best - 1]
-    return [sum(1 for p in row if p >= threshold) for row in probs]
+        return np.zeros(len(lengths), np.int64)
+    return ((probs >= order[best - 1]) & valid).sum(axis=1)
 
 
 class AcceptanceCalibrator:
@@ -97,23 +105,27 @@ class AcceptanceCalibrator:
     def _bin(self, probs: np.ndarray) -> np.ndarray:
         return np.minimum((probs * self.bins).astype(np.int64), self.bins - 1)
 
-    def __call__(self, probs: list[float]) -> list[float]:
-        if not probs:
-            return []
+    def __call__(self, probs: np.ndarray) -> np.ndarray:
+        """Calibrated (R, k) chances for estimated ones (any shape, last axis
+        along the draft)."""
+        probs = np.asarray(probs, dtype=np.float64)
+        if probs.size == 0:
+            return probs
         rate = self._hits / self._trials
-        return list(np.minimum.accumulate(rate[self._bin(np.asarray(probs))]))
+        return np.minimum.accumulate(rate[self._bin(probs)], axis=-1)
 
-    def observe(self, probs: list[list[float]], accepted: list[int]) -> None:
-        """``probs[i]``: estimates of the draft row i sent; ``accepted[i]``: how
-        many of its tokens the verifier kept."""
-        est, hit = [], []
-        for p, a in zip(probs, accepted):
-            est.extend(p)
-            hit.extend(j < a for j in range(len(p)))
-        if not est:
+    def observe(self, probs: np.ndarray, sent: np.ndarray, accepted: np.ndarray) -> None:
+        """``probs``: (R, k) estimates of the drafts sent, ``sent[i]`` tokens
+        long; ``accepted[i]``: how many of them the verifier kept."""
+        probs = np.asarray(probs, dtype=np.float64)
+        if probs.size == 0:
             return
+        valid = _valid(sent, probs.shape[1])
+        if not valid.any():
+            return
+        hit = np.arange(probs.shape[1])[None, :] < np.asarray(accepted)[:, None]
         self._hits *= self.decay
         self._trials *= self.decay
-        idx = self._bin(np.asarray(est))
+        idx = self._bin(probs[valid])
         np.add.at(self._trials, idx, 1.0)
-        np.add.at(self._hits, idx, np.asarray(hit, dtype=np.float64))
+        np.add.at(self._hits, idx, hit[valid].astype(np.float64))

@@ -4,20 +4,25 @@ Paths that continue the same prompt form a sibling group sharing one trie
 over the prompt (its tail) and every sibling's output, so a path drafts what
 its siblings wrote after the same context, and its own prompt and history
 when they offer nothing better. A second, cross-group trie over all recent
-outputs is the source, weighted below siblings. Groups are evicted least recently used
-beyond a token budget and the cross-group trie starts afresh when full, so
-memory stays bounded however many paths pass.
+outputs is the other source, weighted below siblings.
+
+All tries live in one compiled arena (:class:`SuffixForest`) so a step's
+appends, and its drafts, are one call each for the whole batch. Memory stays
+bounded however many paths pass: groups are forgotten least recently used,
+the cross-group trie restarts beyond a token budget, and once the arena holds
+``max_trie_nodes`` it is replaced by an empty one (live groups start afresh).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import chain
 from dataclasses import dataclass, fields
 
 import numpy as np
 
 from .budget import cost_model
-from .trie import SuffixTrie
+from .forest import SuffixForest
 
 
 @dataclass(frozen=True)
@@ -28,8 +33,9 @@ class DrafterOptions:
     prior: float = 0.0              # pseudo-count added to each node's total
     cross_group_weight: float = 0.8  # other prompts' outputs count this much of siblings'
     prompt_tokens: int = 1024       # prompt tail indexed per group
-    max_group_tokens: int = 400_000  # LRU budget over all groups' tries
+    max_group_tokens: int = 400_000  # LRU budget over remembered groups
     cross_group_tokens: int = 200_000  # the cross-group trie restarts beyond this
+    max_trie_nodes: int = 3_000_000  # arena size at which all tries start afresh
     cost_model: str = "h200_7b"     # step-cost model for the batch-aware budget, or "off"
 
     def __post_init__(self):
@@ -41,6 +47,8 @@ class DrafterOptions:
             raise ValueError("prior must be >= 0 and cross_group_weight in [0, 1]")
         if min(self.prompt_tokens, self.max_group_tokens, self.cross_group_tokens) < 0:
             raise ValueError("token budgets must be >= 0")
+        if self.max_trie_nodes < 1000:
+            raise ValueError("max_trie_nodes must be >= 1000")
         cost_model(self.cost_model)  # validates the name
 
     @classmethod
@@ -53,26 +61,24 @@ class DrafterOptions:
 
 
 class Group:
-    __slots__ = ("trie", "prompt_node", "num_paths", "alive")
+    __slots__ = ("prompt_tail", "root", "start", "tokens", "arena")
 
-    def __init__(self, max_depth: int, prompt_tail):
-        self.trie = SuffixTrie(max_depth)
-        self.prompt_node = self.trie.extend(SuffixTrie.ROOT, prompt_tail)
-        self.num_paths = 0
-        self.alive = True
+    def __init__(self, prompt_tail: list[int]):
+        self.prompt_tail = prompt_tail
+        self.arena = -1   # arena generation its nodes belong to
+        self.root = self.start = -1
+        self.tokens = 0
 
 
 class Path:
     """One sampled path: where it stands in its group's and the cross-group trie."""
 
-    __slots__ = ("group", "node", "cross", "cross_node", "num_tokens")
+    __slots__ = ("group", "node", "cross_node", "arena", "cross_gen")
 
-    def __init__(self, group: Group, cross: SuffixTrie):
+    def __init__(self, group: Group):
         self.group = group
-        self.node = group.prompt_node
-        self.cross = cross
-        self.cross_node = SuffixTrie.ROOT
-        self.num_tokens = 0  # output tokens seen
+        self.arena = self.cross_gen = -1
+        self.node = self.cross_node = -1
 
 
 def prompt_key(prompt) -> bytes:
@@ -84,15 +90,16 @@ class ConsensusDrafter:
         self.options = options or DrafterOptions()
         self._groups: OrderedDict[bytes, Group] = OrderedDict()
         self._group_tokens = 0
-        self._cross = SuffixTrie(self.options.max_depth)
+        self._arena = -1
+        self._new_arena()
 
     @property
     def num_groups(self) -> int:
         return len(self._groups)
 
     def num_nodes(self) -> int:
-        """Trie nodes held (groups and cross-group), for memory checks."""
-        return sum(len(g.trie) for g in self._groups.values()) + len(self._cross)
+        """Trie nodes held, for memory checks."""
+        return self.forest.num_nodes()
 
     def add_path(self, prompt) -> Path:
         """Register a new path continuing ``prompt`` (token ids)."""
@@ -101,82 +108,78 @@ class ConsensusDrafter:
         if group is None:
             n = self.options.prompt_tokens
             tail = np.asarray(prompt[len(prompt) - n:] if n else prompt[:0]).tolist()
-            group = Group(self.options.max_depth, tail)
+            group = Group(tail)
             self._groups[key] = group
-            self._group_tokens += group.trie.num_tokens
+            self._group_tokens += len(tail)
+            while self._group_tokens > self.options.max_group_tokens and len(self._groups) > 1:
+                _, old = self._groups.popitem(last=False)
+                self._group_tokens -= len(old.prompt_tail) + old.tokens
         else:
             self._groups.move_to_end(key)
-        group.num_paths += 1
-        self._evict()
-        return Path(group, self._cross)
+        return Path(group)
 
-    def extend(self, path: Path, tokens) -> None:
-        """Record output tokens the path has generated."""
-        if not len(tokens):
-            return
-        if not path.group.alive:  # evicted under it: continue in a private group
-            path.group = Group(self.options.max_depth, [])
-            path.node = SuffixTrie.ROOT
-        path.node = path.group.trie.extend(path.node, tokens)
-        self._group_tokens += len(tokens)
-        if path.cross is not self._cross:  # the cross-group trie was renewed
-            path.cross = self._cross
-            path.cross_node = SuffixTrie.ROOT
-        path.cross_node = self._cross.extend(path.cross_node, tokens)
-        path.num_tokens += len(tokens)
-        if self._cross.num_tokens > self.options.cross_group_tokens:
-            self._cross = SuffixTrie(self.options.max_depth)  # paths rejoin it as they extend
-        if self._group_tokens > self.options.max_group_tokens:
-            self._evict()
+    def extend(self, paths: list[Path], tokens: list[list[int]]) -> None:
+        """Record the output tokens each path generated (one call per step)."""
+        if self.forest.num_nodes() > self.options.max_trie_nodes:
+            self._new_arena()
+        self._attach_all(paths)
+        rows = len(paths)
+        counts = np.fromiter(map(len, tokens), np.int64, rows)
+        flat = np.fromiter(chain.from_iterable(tokens), np.int32, int(counts.sum()))
+        offsets = np.zeros(2 * rows + 1, np.int64)
+        np.cumsum(np.concatenate([counts, counts]), out=offsets[1:])
+        nodes = [p.node for p in paths] + [p.cross_node for p in paths]
+        out = self.forest.extend_many(nodes, np.concatenate([flat, flat]), offsets).tolist()
+        for path, node, cross_node, n in zip(paths, out, out[rows:], counts.tolist()):
+            path.node = node
+            path.cross_node = cross_node
+            path.group.tokens += n
+        self._group_tokens += len(flat)
+        self._cross_tokens += len(flat)
+        if self._cross_tokens > self.options.cross_group_tokens:
+            self._cross_root, self._cross_gen = self.forest.new_root(), self._cross_gen + 1
+            self._cross_tokens = 0
 
-    def draft(self, path: Path, max_tokens: int) -> tuple[list[int], list[float]]:
-        """Most likely continuation of ``path``, at most ``max_tokens`` long,
-        with the estimated chance that each prefix is accepted.
+    def draft(self, paths: list[Path], max_tokens):
+        """Most likely continuation of each path, at most ``max_tokens[i]``
+        long, and the estimated chance that each prefix is accepted.
 
-        Each token comes from whichever source (siblings, or all recent
-        outputs at ``cross_group_weight``) scores higher on
-        ``weight * P(token | context) * (1 + context length)``; the draft ends
-        once the running product of the chosen probabilities, the estimated
-        chance that the token is accepted, drops below ``min_prob``.
+        Returns ``(tokens, probs, lengths)``: (R, k) arrays, row i valid up to
+        ``lengths[i]``. Each token comes from whichever source (siblings, or
+        all recent outputs at ``cross_group_weight``) scores higher on
+        ``weight * P(token | context) * (1 + context length)``; a draft ends
+        once the running product of the chosen probabilities drops below
+        ``min_prob`` (see :func:`consensus_spec.trie.joint_draft`).
         """
         o = self.options
-        tries, nodes, weights = [], [], []
-        if path.group.alive:
-            tries.append(path.group.trie)
-            nodes.append(path.node)
-            weights.append(1.0)
-        if o.cross_group_weight > 0 and path.cross is self._cross:
-            tries.append(self._cross)
-            nodes.append(path.cross_node)
-            weights.append(o.cross_group_weight)
-        out: list[int] = []
-        probs: list[float] = []
-        p = 1.0
-        while len(out) < max_tokens:
-            chosen, best_score, best_prob = None, 0.0, 0.0
-            for s, trie in enumerate(tries):
-                top = trie.top(nodes[s], o.min_match)
-                if top is None:
-                    continue
-                prob = top[1] / (top[2] + o.prior)
-                score = weights[s] * prob * (1 + top[3])
-                if score > best_score:
-                    chosen, best_score, best_prob = (s, top), score, prob
-            if chosen is None:
-                break
-            p *= best_prob
-            if p < o.min_prob:
-                break
-            s, (tok, _, _, _, child) = chosen
-            out.append(tok)
-            probs.append(p)
-            for j, trie in enumerate(tries):
-                nodes[j] = child if j == s else trie.step(nodes[j], tok)
-        return out, probs
+        self._attach_all(paths)
+        cross = [p.cross_node for p in paths] if o.cross_group_weight > 0 else [-1] * len(paths)
+        max_tokens = np.asarray(max_tokens, np.int32).reshape(len(paths))
+        k = int(max_tokens.max(initial=0))
+        return self.forest.draft_many([p.node for p in paths], cross, o.cross_group_weight,
+                                      max_tokens, k, o.min_prob, o.min_match, o.prior)
 
-    def _evict(self) -> None:
-        while self._group_tokens > self.options.max_group_tokens and len(self._groups) > 1:
-            _, group = self._groups.popitem(last=False)
-            self._group_tokens -= group.trie.num_tokens
-            group.alive = False
-            group.trie = SuffixTrie(1)  # free it even while parked paths point here
+    def _new_arena(self) -> None:
+        self.forest = SuffixForest(self.options.max_depth)
+        self._arena += 1
+        self._cross_root, self._cross_gen, self._cross_tokens = self.forest.new_root(), 0, 0
+
+    def _attach_all(self, paths: list[Path]) -> None:
+        arena, gen = self._arena, self._cross_gen
+        for path in paths:
+            if path.arena != arena or path.cross_gen != gen:
+                self._attach(path)
+
+    def _attach(self, path: Path) -> None:
+        """Give the path (and its group) nodes in the current arena."""
+        group = path.group
+        if group.arena != self._arena:
+            group.root = self.forest.new_root()
+            tail = np.asarray(group.prompt_tail, np.int32)
+            group.start = int(self.forest.extend_many([group.root], tail, [0, len(tail)])[0])
+            group.arena = self._arena
+        stale = path.arena != self._arena
+        if stale:
+            path.node, path.arena = group.start, self._arena
+        if stale or path.cross_gen != self._cross_gen:
+            path.cross_node, path.cross_gen = self._cross_root, self._cross_gen

@@ -8,6 +8,8 @@ present) are read, so offline tools can build it from a light stand-in.
 
 from __future__ import annotations
 
+import numpy as np
+
 from .budget import AcceptanceCalibrator, choose_lengths, cost_model
 from .drafter import ConsensusDrafter, DrafterOptions
 from .rows import RowTracker
@@ -28,42 +30,48 @@ class ConsensusProposer:
         self.num_drafted = 0   # draft tokens proposed
         self.num_accepted = 0  # of those, accepted by the verifier
         self.calibrator = AcceptanceCalibrator()
-        self._sent: dict[int, list[float]] = {}  # row -> estimates of the draft it was sent
+        self._sent = None  # (rows, paths, estimates, lengths) of the drafts last sent
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
                 slot_mappings=None) -> list[list[int]]:
         rows = self.rows.update(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
-        sent, self._sent = self._sent, {}
-        seen_probs, seen_accepted = [], []
-        # Record every row's new tokens before drafting any, so each path
-        # drafts from its siblings' tokens of this very step.
-        for i, entry in enumerate(rows):
-            if entry is not None:
-                path, new, contiguous = entry
-                if contiguous and i in sent:
-                    accepted = min(len(sampled_token_ids[i]) - 1, len(sent[i]))
-                    self.num_accepted += accepted
-                    seen_probs.append(sent[i])
-                    seen_accepted.append(accepted)
-                self.drafter.extend(path, new)
-        self.calibrator.observe(seen_probs, seen_accepted)
-        drafts: list[list[int]] = []
-        probs: list[list[float]] = []
-        for i, entry in enumerate(rows):
-            room = 0 if entry is None else min(
-                self.num_speculative_tokens, self.max_model_len - int(num_tokens_no_spec[i]) - 1)
-            draft, p = self.drafter.draft(entry[0], room) if room > 0 else ([], [])
-            drafts.append(draft)
-            probs.append(p)
-        if self.cost is not None:
-            lengths = choose_lengths([self.calibrator(p) for p in probs],
-                                     len(sampled_token_ids), self.cost)
-            drafts = [d[:n] for d, n in zip(drafts, lengths)]
-        for i, draft in enumerate(drafts):
-            if draft:
-                self.num_drafted += len(draft)
-                self._sent[i] = probs[i][:len(draft)]  # raw estimates, for calibration
+        live = [i for i, entry in enumerate(rows) if entry is not None]
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        if not live:
+            self._sent = None
+            return drafts
+        self._observe(rows, sampled_token_ids)
+        paths = [rows[i][0] for i in live]
+        # every row's new tokens go in before any row drafts, so each path
+        # drafts from its siblings' tokens of this very step
+        self.drafter.extend(paths, [rows[i][1] for i in live])
+        idx = np.asarray(live)
+        room = np.clip(self.max_model_len - 1 - np.asarray(num_tokens_no_spec)[idx],
+                       0, self.num_speculative_tokens)
+        tokens, probs, lengths = self.drafter.draft(paths, room)
+        if self.cost is not None and tokens.size:
+            lengths = choose_lengths(self.calibrator(probs), lengths, len(sampled_token_ids), self.cost)
+        for j, n in enumerate(lengths):
+            if n:
+                drafts[live[j]] = tokens[j, :n].tolist()
+        self.num_drafted += int(np.sum(lengths))
+        self._sent = (idx, [rows[i][0] for i in live], probs, np.asarray(lengths))
         return drafts
+
+    def _observe(self, rows, sampled_token_ids) -> None:
+        """Count what the verifier kept of last step's drafts; calibrate on it."""
+        if self._sent is None:
+            return
+        idx, paths, probs, sent = self._sent
+        accepted = np.zeros(len(idx), np.int64)
+        for j, i in enumerate(idx):
+            # only rows that still hold the same path, with no missed step
+            if sent[j] and i < len(rows) and rows[i] is not None and rows[i][2] and rows[i][0] is paths[j]:
+                accepted[j] = min(len(sampled_token_ids[i]) - 1, sent[j])
+            else:
+                sent[j] = 0
+        self.num_accepted += int(accepted.sum())
+        self.calibrator.observe(probs, sent, accepted)
 
     def load_model(self, *args, **kwargs) -> None:
         pass  # model-free

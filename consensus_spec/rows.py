@@ -5,39 +5,40 @@ requests finish, reused, preempted and resumed, prefills arrive in chunks,
 and whole steps go by without a propose call (vLLM skips the drafter while
 any row is within ``k`` tokens of ``max_model_len``). A row keeps its path
 while the row's tokens continue where that path left off: the path's last
-four tokens are still in place, possibly followed by tokens the tracker missed.
-Otherwise the row's occupant is parked under its (length, last tokens)
-fingerprint and the row is matched against parked paths; a row that matches
-none starts a new path whose prompt is every token before its first sampled
-one. Paths with identical tokens are interchangeable, so a fingerprint
-collision between them costs nothing.
+four tokens are still in place, possibly followed by tokens the tracker
+missed. Otherwise the row's occupant is parked under its (length, last four
+tokens) fingerprint and the row is matched against parked paths; a row that
+matches none starts a new path whose prompt is every token before its first
+sampled one. Paths with identical tokens are interchangeable, so a
+fingerprint collision between them costs nothing.
+
+The common case, a row continuing exactly, is checked for all rows at once
+with numpy; only the others take the per-row slow path.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
+
 _TAIL = 4          # tokens in a fingerprint
+_OFFSETS = np.arange(-_TAIL, 0)
 _MAX_SCAN = 32     # parked lengths tried for a row that moved during missed steps
 
 
-class RowState:
-    __slots__ = ("path", "length", "tail")
-
-    def __init__(self, path, length: int, tail: tuple):
-        self.path = path
-        self.length = length
-        self.tail = tail  # last _TAIL tokens
-
-
-def _tail(row, end: int) -> tuple:
-    return tuple(row[max(0, end - _TAIL):end].tolist())
+def _tails(token_ids, rows: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """(len(rows), _TAIL) tokens before each end (index-clipped for short rows)."""
+    cols = np.maximum(ends[:, None] + _OFFSETS, 0)
+    return np.asarray(token_ids)[rows[:, None], cols]
 
 
 class RowTracker:
     def __init__(self, start_path, max_parked: int = 4096):
         self._start_path = start_path  # prompt tokens -> new path
-        self._rows: dict[int, RowState] = {}
+        self._paths: dict[int, object] = {}  # row -> path
+        self._lens = np.full(0, -1, np.int64)  # row -> path length (-1: none)
+        self._tail = np.zeros((0, _TAIL), np.int64)  # row -> path's last tokens
         self._parked: OrderedDict[tuple, list] = OrderedDict()
         self._parked_lengths: dict[int, int] = {}  # length -> parked keys with it
         self._max_parked = max_parked
@@ -51,75 +52,92 @@ class RowTracker:
         ``contiguous`` is False when steps were missed or the path was just
         (re)attached. Call once per step."""
         num_rows = len(sampled_token_ids)
-        for r in [r for r in self._rows if r >= num_rows]:
-            self._park(self._rows.pop(r))
+        self._grow(num_rows)
+        for r in [r for r in self._paths if r >= num_rows]:
+            self._park(r)
+        idx = np.arange(num_rows)
+        counts = np.fromiter(map(len, sampled_token_ids), np.int64, num_rows)
+        ends = np.asarray(num_tokens[:num_rows], np.int64)
+        base = ends - counts
+        exact = ((counts > 0) & (base == self._lens[:num_rows])
+                 & (_tails(token_ids, idx, base) == self._tail[:num_rows]).all(axis=1))
         out: list = [None] * num_rows
-        unmatched = []
-        for i, sampled in enumerate(sampled_token_ids):
-            if not sampled:
-                continue
-            n = int(num_tokens[i])
-            base = n - len(sampled)
-            st = self._rows.get(i)
-            if st is not None and st.length <= base and st.length > 0:
-                row = token_ids[i]
-                if _tail(row, st.length) == st.tail:
-                    if st.length == base:
-                        out[i] = self._advance(st, list(sampled), n, True)
-                        continue
-                    missed = row[st.length:base].tolist()
-                    self.tokens_missed += len(missed)
-                    out[i] = self._advance(st, missed + list(sampled), n, False)
-                    continue
-            if st is not None:
-                self._park(self._rows.pop(i))
-            unmatched.append((i, base, n))
-        for i, base, n in unmatched:
-            row = token_ids[i]
-            found = self._unpark(row, base)
-            if found is None:
-                path = self._start_path(row[:base])
-                self.paths_started += 1
-                st = RowState(path, base, _tail(row, base))
-            else:
-                self.paths_resumed += 1
-                st = found
-            self._rows[i] = st
-            new = row[st.length:n].tolist()
-            self.tokens_missed += max(0, base - st.length)
-            out[i] = self._advance(st, new, n, False)
+        for i in np.flatnonzero(exact).tolist():
+            out[i] = (self._paths[i], sampled_token_ids[i], True)
+        moved = []
+        for i in np.flatnonzero((counts > 0) & ~exact).tolist():
+            out[i] = self._caught_up(i, int(base[i]), int(ends[i]), token_ids[i])
+            if out[i] is None:
+                if i in self._paths:
+                    self._park(i)  # before any row looks for it among the parked
+                moved.append(i)
+        for i in moved:
+            out[i] = self._reattach(i, int(base[i]), int(ends[i]), token_ids[i])
+        live = counts > 0
+        self._lens[:num_rows][live] = ends[live]
+        self._tail[:num_rows][live] = _tails(token_ids, idx[live], ends[live])
         return out
 
-    @staticmethod
-    def _advance(st: RowState, new: list, n: int, contiguous: bool):
-        st.length = n
-        st.tail = (st.tail + tuple(new))[-_TAIL:]
-        return st.path, new, contiguous
+    def _caught_up(self, i: int, base: int, end: int, row):
+        """The row's path, if the row continues it after steps the drafter missed."""
+        length = int(self._lens[i])
+        if 0 < length <= base and tuple(row[max(0, length - _TAIL):length].tolist()) == \
+                self._key_tail(i):
+            self.tokens_missed += base - length
+            return self._paths[i], row[length:end].tolist(), False
+        return None
 
-    def _park(self, st: RowState) -> None:
-        key = (st.length, st.tail)
+    def _reattach(self, i: int, base: int, end: int, row):
+        """A parked path the row continues, else a new path."""
+        found = self._unpark(row, base)
+        if found is None:
+            path, length = self._start_path(row[:base]), base
+            self.paths_started += 1
+        else:
+            path, length = found
+            self.paths_resumed += 1
+            self.tokens_missed += base - length
+        self._paths[i] = path
+        return path, row[length:end].tolist(), False
+
+    def _key_tail(self, i: int) -> tuple:
+        n = int(self._lens[i])
+        return tuple(self._tail[i, _TAIL - min(n, _TAIL):].tolist())
+
+    def _grow(self, rows: int) -> None:
+        if rows > len(self._lens):
+            extra = rows - len(self._lens)
+            self._lens = np.concatenate([self._lens, np.full(extra, -1, np.int64)])
+            self._tail = np.concatenate([self._tail, np.zeros((extra, _TAIL), np.int64)])
+
+    def _park(self, r: int) -> None:
+        key = (int(self._lens[r]), self._key_tail(r))
         bucket = self._parked.get(key)
         if bucket is None:
             self._parked[key] = bucket = []
-            self._parked_lengths[st.length] = self._parked_lengths.get(st.length, 0) + 1
-        bucket.append(st)
+            self._parked_lengths[key[0]] = self._parked_lengths.get(key[0], 0) + 1
+        bucket.append(self._paths.pop(r))
+        self._lens[r] = -1
         self._parked.move_to_end(key)
         while len(self._parked) > self._max_parked:
             self._drop(next(iter(self._parked)))
 
-    def _unpark(self, row, base: int) -> RowState | None:
-        key = (base, _tail(row, base))
-        if key not in self._parked:  # it may have advanced during missed steps
-            lengths = sorted((L for L in self._parked_lengths if L < base), reverse=True)
-            key = next((k for k in ((L, _tail(row, L)) for L in lengths[:_MAX_SCAN])
-                        if k in self._parked), None)
-            if key is None:
+    def _unpark(self, row, base: int):
+        """(path, length) of a parked path this row continues, or None."""
+        def key(n):
+            return (n, tuple(row[max(0, n - _TAIL):n].tolist()))
+
+        k = key(base)
+        if k not in self._parked:  # it may have advanced during missed steps
+            lengths = sorted((n for n in self._parked_lengths if n < base), reverse=True)
+            k = next((c for c in map(key, lengths[:_MAX_SCAN]) if c in self._parked), None)
+            if k is None:
                 return None
-        bucket = self._parked[key]
-        st = bucket.pop()
+        bucket = self._parked[k]
+        path = bucket.pop()
         if not bucket:
-            self._drop(key)
-        return st
+            self._drop(k)
+        return path, k[0]
 
     def _drop(self, key: tuple) -> None:
         del self._parked[key]

@@ -70,6 +70,7 @@ def self_consistency(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     extract: Callable[[str], str | None] = extract_answer,
     sampling_kwargs: dict[str, Any] | None = None,
+    on_problem_done: Callable[[int], None] | None = None,
 ) -> SelfConsistencyRun:
     """Sample ``n`` paths per problem with ``llm`` (a ``vllm.LLM``) and vote.
 
@@ -86,7 +87,9 @@ def self_consistency(
     ``seed + i * n + k``, so results do not depend on scheduling.
     ``capacity``: paths in flight before new problems wait (default: the
     engine's ``max_num_seqs``).  The engine must be idle: outputs of other
-    requests would be swallowed.
+    requests would be swallowed.  ``on_problem_done(index)`` is called once
+    per problem when its vote is complete (all paths done or stopped early),
+    e.g. to advance a progress bar.
     """
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -122,7 +125,7 @@ def self_consistency(
         engine, prompts, make_params, n=n, scouts=scouts, capacity=capacity,
         early_stop=early_stop, weighted=weighted, weight_method=weight_method,
         max_tokens=max_tokens, timeout_s=timeout_s, extract=extract, delta=delta,
-        render=render,
+        render=render, on_problem_done=on_problem_done,
     )
     wall = time.perf_counter() - t0
     stats = spec_stats_delta(before, read_spec_counters(llm))

