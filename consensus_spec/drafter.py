@@ -34,8 +34,8 @@ class DrafterOptions:
     cross_group_weight: float = 0.8  # other prompts' outputs count this much of siblings'
     prompt_tokens: int = 1024       # prompt tail indexed per group
     max_group_tokens: int = 400_000  # LRU budget over remembered groups
-    cross_group_tokens: int = 200_000  # the cross-group trie restarts beyond this
-    max_trie_nodes: int = 3_000_000  # arena size at which all tries start afresh
+    cross_group_tokens: int = 600_000  # the cross-group trie restarts beyond this
+    max_trie_nodes: int = 8_000_000  # arena size (~60 B a node) at which all tries start afresh
     cost_model: str = "h200_7b"     # step-cost model for the batch-aware budget, or "off"
 
     def __post_init__(self):
