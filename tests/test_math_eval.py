@@ -1,0 +1,325 @@
+"""``python -m evals math``: argument errors, dataset loading, gold answers,
+prompts and reporting (fast, no engine), plus one end-to-end run on a tiny
+random Llama (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("math_verify")
+
+from evals import math_eval  # noqa: E402
+from evals.datasets import (  # noqa: E402
+    SHARED_MATH,
+    DatasetError,
+    MathProblem,
+    gold_answer,
+    load_problems,
+)
+from evals.prompts import MATH_INSTRUCTION, build_prompt  # noqa: E402
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture
+def small_jsonl(tmp_path):
+    return write_jsonl(tmp_path / "small.jsonl", [
+        {"question": "one plus two is", "answer": "one plus two makes three\n#### 3"},
+        {"question": "How many cents in $12.34?", "answer": "#### 1,234"},
+        {"question": "two times four is", "answer": "#### 8"},
+    ])
+
+
+@pytest.fixture
+def fake_model(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    return str(d)
+
+
+# ---------------------------------------------------------------------------
+# Bad arguments: one error line, exit code 2, no traceback, no engine
+# ---------------------------------------------------------------------------
+
+
+def run_main(argv, capsys):
+    rc = math_eval.main(argv)
+    err = capsys.readouterr().err
+    return rc, err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--dataset", "nope"], "unknown dataset 'nope'"),
+    (["--dataset", "/definitely/not/here.jsonl"], "dataset file not found"),
+    (["--n", "0"], "--n must be >= 1"),
+    (["--n", "4", "0"], "--n must be >= 1"),
+    (["--methods", "none", "medusa"], "unknown method 'medusa'"),
+    (["--model", "/definitely/not/a/model_dir"], "model directory not found"),
+    (["--n", "two"], "invalid int value"),
+    (["--limit", "0"], "--limit must be >= 1"),
+    (["--k", "0"], "--k must be >= 1"),
+    (["--n", "2", "--scouts", "3"], "--scouts 3 exceeds --n 2"),
+    (["--early-stop", "soon"], "--early-stop expects"),
+    (["--option", "no_such_option=1"], "bad --option"),
+    (["--bogus-flag"], "unrecognized arguments"),
+])
+def test_bad_arguments_exit_2_with_one_line(argv, message, small_jsonl, fake_model, capsys):
+    base = ["--dataset", small_jsonl, "--model", fake_model]
+    rc, err = run_main(base + argv, capsys)
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert message in lines[0]
+    assert "Traceback" not in err
+
+
+def test_model_dir_without_config_and_missing_embedded_model(tmp_path, small_jsonl, capsys, monkeypatch):
+    rc, err = run_main(["--dataset", small_jsonl, "--model", str(tmp_path)], capsys)
+    assert rc == 2 and "has no config.json" in err
+    import consensus_spec.embedded as embedded
+    monkeypatch.setattr(embedded, "MODEL_DIR", tmp_path / "absent")
+    rc, err = run_main(["--dataset", small_jsonl], capsys)
+    assert rc == 2 and "embedded model not found" in err and "--model" in err
+
+
+def test_hub_ids_are_passed_through(fake_model):
+    assert math_eval.resolve_model("Qwen/Qwen2.5-1.5B-Instruct") == "Qwen/Qwen2.5-1.5B-Instruct"
+    assert math_eval.resolve_model(fake_model) == fake_model
+    with pytest.raises(math_eval.UsageError):
+        math_eval.resolve_model("./not/here")
+
+
+def test_help_and_command_registered(capsys):
+    assert math_eval.main(["--help"]) == 0
+    assert "--methods" in capsys.readouterr().out
+    from evals.__main__ import COMMANDS, main
+    assert COMMANDS["math"][0] == "evals.math_eval"
+    assert main([]) == 0 and "math" in capsys.readouterr().out
+
+
+def test_parse_args_normalises_lists(small_jsonl):
+    args = math_eval.parse_args(["--dataset", small_jsonl, "--n", "16", "4", "4",
+                                 "--methods", "consensus", "none", "consensus",
+                                 "--early-stop", "--scouts", "0", "1"])
+    assert args.n == [4, 16]
+    assert args.methods == ["consensus", "none"]
+    assert args.early_stop == [True] and args.scouts == [0, 1]
+    assert math_eval.parse_args([]).early_stop == [None]
+    assert math_eval.parse_early_stop(["off", "decided", "2"]) == [None, True, 2.0]
+
+
+def test_spec_configs(small_jsonl):
+    args = math_eval.parse_args(["--k", "5", "--ngram-lookup", "2", "4", "--option", "min_prob=0.3"])
+    assert math_eval.spec_config("none", args) is None
+    assert math_eval.spec_config("ngram", args) == {
+        "method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    assert math_eval.spec_config("suffix", args) == {"method": "suffix", "num_speculative_tokens": 5}
+    cfg = math_eval.spec_config("consensus", args)
+    assert cfg["method"] == "custom_class" and cfg["num_speculative_tokens"] == 5
+    assert "min_prob" in cfg["model"]
+
+
+# ---------------------------------------------------------------------------
+# Datasets and gold answers
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value,field,expected", [
+    ("Natalia sold 48/2 = <<48/2=24>>24 clips.\n#### 72", "answer", "72"),
+    ("#### 1,234", "answer", "1234"),
+    ("#### -5", "answer", "-5"),
+    ("#### 3.5", "answer", "3.5"),
+    (r"\frac{14}{3}", "answer", r"\frac{14}{3}"),
+    (r"\left( 3, \frac{\pi}{2} \right)", "answer", r"\left( 3, \frac{\pi}{2} \right)"),
+    (" 204 ", "answer", "204"),
+    (42, "answer", "42"),
+    (7.0, "answer", "7"),
+    (r"So $x = 2$, hence $\boxed{\dfrac{1}{2}}$.", "solution", r"\dfrac{1}{2}"),
+    ("The answer is 17.", "solution", "17"),
+])
+def test_gold_answer(value, field, expected):
+    assert gold_answer(value, field) == expected
+
+
+def test_gold_keys_match_equivalent_predictions():
+    from consensus_spec.answers import answers_equal
+    assert MathProblem("0", "q", gold_answer("#### 1,234")).gold_key == "1234"
+    assert answers_equal(r"\boxed{1,234}"[7:-1], gold_answer("#### 1,234"))
+    assert answers_equal("0.5", gold_answer(r"\boxed{\frac{1}{2}}", "solution"))
+
+
+def test_load_local_jsonl(small_jsonl):
+    probs = load_problems(small_jsonl)
+    assert [p.gold for p in probs] == ["3", "1234", "8"]
+    assert probs[0].question == "one plus two is" and probs[0].kind == "math"
+    assert [p.id for p in probs] == ["0", "1", "2"]
+    assert len(load_problems(small_jsonl, limit=2)) == 2
+
+
+def test_load_other_fields_and_formats(tmp_path):
+    rows = [{"id": "a", "problem": "Compute 1/2 + 0", "solution": r"It is $\boxed{\frac12}$."},
+            {"id": "b", "problem": "2+2", "answer": 4}]
+    probs = load_problems(write_jsonl(tmp_path / "mixed.jsonl", rows))
+    assert [(p.id, p.gold) for p in probs] == [("a", r"\frac12"), ("b", "4")]
+    path = tmp_path / "list.json"
+    path.write_text(json.dumps([{"question": "q", "answer": "#### 9"}]))
+    assert load_problems(str(path))[0].gold == "9"
+
+
+def test_load_parquet(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    path = str(tmp_path / "set.parquet")
+    pq.write_table(pa.table({"problem": ["1+1", "2+3"], "answer": ["2", "5"]}), path)
+    assert [p.gold for p in load_problems(path)] == ["2", "5"]
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(DatasetError, match="needs a question field"):
+        load_problems(write_jsonl(tmp_path / "x.jsonl", [{"text": "hello"}]))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(DatasetError):
+        load_problems(str(empty))
+    with pytest.raises(DatasetError, match="unsupported dataset file"):
+        (tmp_path / "data.csv").write_text("a,b\n")
+        load_problems(str(tmp_path / "data.csv"))
+
+
+def test_synthetic_set():
+    from consensus_spec.synthetic import test_set
+    probs = load_problems("synthetic", limit=5)
+    ref = test_set(5)
+    assert [p.gold for p in probs] == [str(r["answer"]) for r in ref]
+    assert all(p.kind == "synthetic" for p in probs)
+
+
+@pytest.mark.skipif(not os.path.isdir(SHARED_MATH), reason="../shared/data/math not present")
+@pytest.mark.parametrize("name", ["gsm8k", "math500", "aime2024"])
+def test_shared_sets(name):
+    probs = load_problems(name, limit=5)
+    assert len(probs) == 5 and all(p.question and p.gold for p in probs)
+    if name == "gsm8k":
+        assert all(p.gold.lstrip("-").replace(".", "").isdigit() for p in probs)
+        assert "####" not in probs[0].gold
+
+
+# ---------------------------------------------------------------------------
+# Prompts
+# ---------------------------------------------------------------------------
+
+
+class FakeTokenizer:
+    bos_token, bos_token_id = "<s>", 1
+
+    def __init__(self, chat_template=None, adds_bos=True):
+        self.chat_template = chat_template
+        self.adds_bos = adds_bos
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        assert not tokenize and add_generation_prompt
+        return "<s>[USER]" + messages[0]["content"] + "[/USER]"
+
+    def __call__(self, text):
+        return SimpleNamespace(input_ids=([1] if self.adds_bos else []) + [5])
+
+
+def test_prompts():
+    prob = MathProblem("0", "What is 2+2?", "4")
+    plain = build_prompt(prob, FakeTokenizer())
+    assert plain.startswith(MATH_INSTRUCTION) and plain.endswith("Question: What is 2+2?\nAnswer:")
+    assert "\\boxed{}" in plain
+    chat = build_prompt(prob, FakeTokenizer(chat_template="{{ x }}"))
+    assert chat.startswith("[USER]") and "What is 2+2?" in chat  # BOS not doubled
+    chat_keep = build_prompt(prob, FakeTokenizer(chat_template="{{ x }}", adds_bos=False))
+    assert chat_keep.startswith("<s>[USER]")
+    from consensus_spec.synthetic import format_prompt
+    synth = MathProblem("s", "Mia has 3 apples.", "3", "synthetic")
+    assert build_prompt(synth, FakeTokenizer(chat_template="x")) == format_prompt("Mia has 3 apples.")
+
+
+# ---------------------------------------------------------------------------
+# Scoring and reporting
+# ---------------------------------------------------------------------------
+
+
+def fake_result(answers, voted, stopped=False):
+    samples = [SimpleNamespace(answer=a) for a in answers]
+    return SimpleNamespace(samples=samples, answer=voted, agreement=0.5, stopped_early=stopped,
+                           num_tokens=10 * len(answers), num_aborted=0)
+
+
+def test_score_pass1_and_majority():
+    probs = [MathProblem("0", "q", "0.5"), MathProblem("1", "q", "3")]
+    run = [fake_result([r"\frac{1}{2}", "0.5", "2", None], r"\frac{1}{2}"),
+           fake_result(["4", "4"], "4")]
+    acc = math_eval.score(run, probs)
+    assert acc["pass_at_1"] == pytest.approx((2 / 4 + 0) / 2)
+    assert acc["maj_at_n"] == 0.5
+    assert acc["per_problem"][0]["correct"] and not acc["per_problem"][1]["correct"]
+
+
+def make_rows():
+    base = dict(scouts=0, early_stop="off", problems=2, pass_at_1=0.5, maj_at_n=0.5,
+                mean_acceptance_length=None, drafted_tokens=0, accepted_tokens=0, est_tokens_saved=0)
+    return [dict(base, method="none", n=4, tokens=100, wall_time_s=10.0, tokens_per_s=10.0),
+            dict(base, method="consensus", n=4, tokens=120, wall_time_s=6.0, tokens_per_s=20.0,
+                 mean_acceptance_length=2.5, drafted_tokens=80, accepted_tokens=30),
+            dict(base, method="consensus", n=8, tokens=200, wall_time_s=8.0, tokens_per_s=25.0)]
+
+
+def test_speedups_table_and_plot(tmp_path):
+    rows = make_rows()
+    math_eval.add_speedups(rows)
+    assert rows[0]["speedup"] == 1.0
+    assert rows[1]["speedup"] == pytest.approx(2.0) and rows[1]["wall_speedup"] == pytest.approx(10 / 6)
+    assert rows[2]["speedup"] is None  # no `none` run at n=8
+    table = math_eval.markdown(rows)
+    assert table.count("\n") == 4 and "| consensus | 4 |" in table and "2.50" in table
+    pytest.importorskip("matplotlib")
+    assert math_eval.plot(rows, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+# ---------------------------------------------------------------------------
+# End to end on a tiny random Llama (slow: two vLLM engines)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_cli_end_to_end_on_tiny_llama(tmp_path, small_jsonl, capsys):
+    pytest.importorskip("vllm")
+    from tests.tiny_model import build_tiny_llama
+
+    model = build_tiny_llama(str(tmp_path / "tiny"))
+    out = tmp_path / "res" / "math"
+    rc = math_eval.main(["--dataset", small_jsonl, "--model", model, "--n", "2", "--limit", "2",
+                         "--methods", "none", "consensus", "--max-tokens", "16",
+                         "--dtype", "float32", "--gpu-memory-utilization", "0.05",
+                         "--max-model-len", "256", "--out", str(out)])
+    assert rc == 0
+    data = json.loads((tmp_path / "res" / "math.json").read_text())
+    rows = {r["method"]: r for r in data["results"]}
+    assert set(rows) == {"none", "consensus"} and data["num_problems"] == 2
+    for r in rows.values():
+        for key in ("pass_at_1", "maj_at_n", "tokens_per_s", "wall_time_s", "mean_acceptance_length",
+                    "drafted_tokens", "accepted_tokens", "speedup", "tokens"):
+            assert key in r
+        assert r["n"] == 2 and r["tokens"] > 0 and r["wall_time_s"] > 0
+        assert 0 <= r["pass_at_1"] <= 1 and 0 <= r["maj_at_n"] <= 1
+        assert len(r["per_problem"]) == 2 and all(p["samples"] == 2 for p in r["per_problem"])
+    assert rows["none"]["speedup"] == 1.0 and rows["none"]["drafted_tokens"] == 0
+    assert rows["consensus"]["drafted_tokens"] > 0 and rows["consensus"]["speedup"] > 0
+    assert rows["consensus"]["mean_acceptance_length"] >= 1.0
+    assert (tmp_path / "res" / "math.md").read_text().count("| consensus |") == 1
+    assert (tmp_path / "res" / "math.png").exists()
+    assert "| none |" in capsys.readouterr().out
