@@ -1,7 +1,9 @@
 """Seeded synthetic corpus of multi-step arithmetic word problems.
 
 Used to train the project's embedded default model (``consensus_spec/model``).
-Every problem has 2-4 arithmetic steps over small integers (+, -, x, exact /).
+Every problem has 2-4 arithmetic steps over small integers: start values
+2-25, add or subtract 1-9, multiply or divide (exactly) by 2-5, intermediate
+values in 1-120; two-person problems combine two chains with + or -.
 Solutions are chain-of-thought text, one step per line, and always end with the
 fixed final line::
 
@@ -134,12 +136,12 @@ def _pick_op(rng: random.Random, a: int) -> tuple[str, int, int]:
     while True:
         op = rng.choice("++--*/")
         if op == "+":
-            k = rng.randint(2, 20)
+            k = rng.randint(2, 9)
             r = a + k
         elif op == "-":
             if a < 3:
                 continue
-            k = rng.randint(1, min(a - 1, 20))
+            k = rng.randint(1, min(a - 1, 9))
             r = a - k
         elif op == "*":
             k = rng.randint(2, 5)
