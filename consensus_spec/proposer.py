@@ -55,7 +55,7 @@ class ConsensusProposer:
             if n:
                 drafts[live[j]] = tokens[j, :n].tolist()
         self.num_drafted += int(np.sum(lengths))
-        self._sent = (idx, [rows[i][0] for i in live], probs, np.asarray(lengths))
+        self._sent = (idx, paths, probs, np.asarray(lengths))
         return drafts
 
     def _observe(self, rows, sampled_token_ids) -> None:
