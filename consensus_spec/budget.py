@@ -25,9 +25,15 @@ this engine, per bin of estimate, before the budget uses them.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
+
+from .jit import Kernels
+
+
+kernel = Kernels(globals())
 
 
 @dataclass(frozen=True)
@@ -57,33 +63,179 @@ def cost_model(name: str) -> StepCostModel | None:
     return COST_MODELS[name]
 
 
-def _valid(lengths: np.ndarray, k: int) -> np.ndarray:
-    """(R, k) mask of the entries inside each row's draft."""
-    return np.arange(k)[None, :] < np.asarray(lengths)[:, None]
+@kernel
+def _calibrate(p, rate):
+    if rate.shape[0] == 0:
+        return p
+    return rate[min(max(int(p * rate.shape[0]), 0), rate.shape[0] - 1)]
+
+
+@kernel
+def _before(key, a, b):
+    """Row a's next token goes before row b's: likelier, or tied and earlier."""
+    return key[a] > key[b] or (key[a] == key[b] and a < b)
+
+
+@kernel
+def _sift_down(heap, size, key, pos):
+    while True:
+        top, left = pos, 2 * pos + 1
+        if left < size and _before(key, heap[left], heap[top]):
+            top = left
+        if left + 1 < size and _before(key, heap[left + 1], heap[top]):
+            top = left + 1
+        if top == pos:
+            return
+        heap[pos], heap[top] = heap[top], heap[pos]
+        pos = top
+
+
+@kernel
+def _choose(probs, lengths, batch, step_ms, rate, out):
+    """Greedy: keep the most likely remaining draft token while that raises
+    (batch + kept probability) / step time, ``step_ms[m]`` with m kept. The
+    ratio of a concave gain to a convex cost is unimodal in m, so the first
+    drop is final."""
+    k = probs.shape[1]
+    out[:] = 0
+    if batch <= 0:
+        return
+    head = np.empty(probs.shape[0])  # calibrated chance of each row's next token
+    heap = np.empty(probs.shape[0], np.int64)
+    size = 0
+    for i in range(probs.shape[0]):
+        if min(lengths[i], k) > 0:
+            head[i] = min(1.0, _calibrate(probs[i, 0], rate))
+            heap[size] = i
+            size += 1
+    for pos in range(size // 2 - 1, -1, -1):
+        _sift_down(heap, size, head, pos)
+    gain = float(batch)
+    best = gain / step_ms[0]
+    kept = 0
+    while size > 0 and kept + 1 < step_ms.shape[0]:
+        i = heap[0]
+        kept += 1
+        r = (gain + head[i]) / step_ms[kept]
+        if r <= best:
+            break
+        best, gain = r, gain + head[i]
+        out[i] += 1
+        n = out[i]
+        if n < min(lengths[i], k):
+            head[i] = min(head[i], _calibrate(probs[i, n], rate))  # never rises along a draft
+        else:
+            size -= 1
+            heap[0] = heap[size]
+        _sift_down(heap, size, head, 0)
+
+
+@kernel
+def _first_paying_bin(hits, trials, cost):
+    for b in range(hits.shape[0]):
+        if hits[b] > cost * trials[b]:
+            return b
+    return hits.shape[0]
+
+
+_NO_CALIBRATION = np.zeros(0)
 
 
 def choose_lengths(probs: np.ndarray, lengths: np.ndarray, batch: int,
-                   model: StepCostModel) -> np.ndarray:
+                   model: StepCostModel, calibrator: "AcceptanceCalibrator | None" = None
+                   ) -> np.ndarray:
     """Per-row draft lengths maximising expected tokens per step time.
 
     ``probs[i, j]`` (an R x k array; entries ``j >= lengths[i]`` are ignored)
     is the chance that row i's first j+1 draft tokens are all accepted,
-    non-increasing in j. ``batch`` counts every row in the step, drafting or
-    not. Returns lengths no longer than ``lengths``.
+    non-increasing in j; a ``calibrator`` first maps it to observed rates.
+    ``batch`` counts every row in the step, drafting or not. Returns lengths
+    no longer than ``lengths``.
     """
+    kernel.compile()
     probs = np.asarray(probs, dtype=np.float64)
-    valid = _valid(lengths, probs.shape[1]) if probs.ndim == 2 else np.zeros((0, 0), bool)
-    flat = probs[valid]
-    if flat.size == 0 or batch <= 0:
-        return np.zeros(len(lengths), np.int64)
-    order = np.sort(flat)[::-1]
-    kept = np.arange(order.size + 1)
-    gain = batch + np.concatenate(([0.0], np.cumsum(order)))
-    rate = gain / model.step_ms(batch, 1.0 + kept / batch)
-    best = int(np.argmax(rate))
-    if best == 0:
-        return np.zeros(len(lengths), np.int64)
-    return ((probs >= order[best - 1]) & valid).sum(axis=1)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if probs.ndim != 2:
+        probs = probs.reshape(len(lengths), -1)
+    out = np.zeros(len(lengths), np.int64)
+    if batch <= 0:
+        return out
+    step_ms = model.step_ms(batch, 1.0 + np.arange(probs.size + 1) / batch)
+    rate = _NO_CALIBRATION if calibrator is None else calibrator.rate()
+    _choose(probs, lengths, int(batch), step_ms, rate, out)
+    return out
+
+
+@kernel
+def _calibrated(probs, rate, out):
+    bins = rate.shape[0]
+    for i in range(probs.shape[0]):
+        low = 1.0
+        for j in range(probs.shape[1]):
+            b = min(int(probs[i, j] * bins), bins - 1)
+            low = min(low, rate[b])
+            out[i, j] = low
+
+
+@kernel
+def _observe(probs, sent, accepted, hits, trials, decay):
+    bins = hits.shape[0]
+    any_sent = False
+    for i in range(sent.shape[0]):
+        any_sent = any_sent or sent[i] > 0
+    if not any_sent:
+        return
+    for b in range(bins):
+        hits[b] *= decay
+        trials[b] *= decay
+    for i in range(probs.shape[0]):
+        for j in range(min(sent[i], probs.shape[1])):
+            b = min(max(int(probs[i, j] * bins), 0), bins - 1)
+            trials[b] += 1.0
+            if j < accepted[i]:
+                hits[b] += 1.0
+
+
+class DraftBudget:
+    """The budget as a proposer applies it each step: a cost model, step
+    times cached per batch size, and a calibrator learning from what the
+    verifier accepted."""
+
+    def __init__(self, model: StepCostModel, calibrator: "AcceptanceCalibrator | None" = None):
+        kernel.compile()
+        self.model = model
+        self.calibrator = calibrator or AcceptanceCalibrator()
+        self._step_ms: OrderedDict[int, np.ndarray] = OrderedDict()  # batch -> T(batch, 1 + m/batch)
+
+    def step_ms(self, batch: int, kept: int) -> np.ndarray:
+        """Step times with 0..kept draft tokens in a batch of ``batch`` rows."""
+        table = self._step_ms.get(batch)
+        if table is None or len(table) <= kept:
+            table = self.model.step_ms(batch, 1.0 + np.arange(max(kept, 16 * batch) + 1) / batch)
+            self._step_ms[batch] = table
+            if len(self._step_ms) > 256:
+                self._step_ms.popitem(last=False)
+        return table
+
+    def floor(self, batch: int) -> float:
+        """Estimates below this cannot pay at this batch size, so the drafter
+        need not walk past them: no calibrated chance at or below the first
+        token's marginal cost is ever kept (the greedy's threshold only
+        rises), and every estimate below the returned value calibrates to
+        less than that cost."""
+        t = self.step_ms(batch, 1)
+        cost = batch * (t[1] - t[0]) / t[0]
+        cal = self.calibrator
+        return max(0.0, (_first_paying_bin(cal._hits, cal._trials, cost) - 1e-6) / cal.bins)
+
+    def __call__(self, probs: np.ndarray, lengths: np.ndarray, batch: int) -> np.ndarray:
+        """:func:`choose_lengths` with this budget's model and calibration."""
+        out = np.empty(len(lengths), np.int64)
+        _choose(probs, lengths, batch, self.step_ms(batch, probs.size), self.calibrator.rate(), out)
+        return out
+
+    def observe(self, probs: np.ndarray, sent: np.ndarray, accepted: np.ndarray) -> None:
+        self.calibrator.observe(probs, sent, accepted)
 
 
 class AcceptanceCalibrator:
@@ -95,6 +247,7 @@ class AcceptanceCalibrator:
     """
 
     def __init__(self, bins: int = 20, prior: float = 20.0, decay: float = 0.995):
+        kernel.compile()
         self.bins = bins
         self.prior = prior
         self.decay = decay
@@ -102,17 +255,19 @@ class AcceptanceCalibrator:
         self._hits = centers * prior
         self._trials = np.full(bins, prior)
 
-    def _bin(self, probs: np.ndarray) -> np.ndarray:
-        return np.minimum((probs * self.bins).astype(np.int64), self.bins - 1)
+    def rate(self) -> np.ndarray:
+        """Observed acceptance rate per bin of estimate."""
+        return self._hits / self._trials
 
     def __call__(self, probs: np.ndarray) -> np.ndarray:
-        """Calibrated (R, k) chances for estimated ones (any shape, last axis
-        along the draft)."""
+        """Calibrated (R, k) chances for estimated ones (last axis along the draft)."""
         probs = np.asarray(probs, dtype=np.float64)
         if probs.size == 0:
             return probs
-        rate = self._hits / self._trials
-        return np.minimum.accumulate(rate[self._bin(probs)], axis=-1)
+        flat = probs.reshape(-1, probs.shape[-1])
+        out = np.empty_like(flat)
+        _calibrated(np.clip(flat, 0.0, 1.0), self.rate(), out)
+        return out.reshape(probs.shape)
 
     def observe(self, probs: np.ndarray, sent: np.ndarray, accepted: np.ndarray) -> None:
         """``probs``: (R, k) estimates of the drafts sent, ``sent[i]`` tokens
@@ -120,12 +275,5 @@ class AcceptanceCalibrator:
         probs = np.asarray(probs, dtype=np.float64)
         if probs.size == 0:
             return
-        valid = _valid(sent, probs.shape[1])
-        if not valid.any():
-            return
-        hit = np.arange(probs.shape[1])[None, :] < np.asarray(accepted)[:, None]
-        self._hits *= self.decay
-        self._trials *= self.decay
-        idx = self._bin(probs[valid])
-        np.add.at(self._trials, idx, 1.0)
-        np.add.at(self._hits, idx, hit[valid].astype(np.float64))
+        _observe(probs.reshape(len(sent), -1), np.asarray(sent, np.int64),
+                 np.asarray(accepted, np.int64), self._hits, self._trials, self.decay)

