@@ -235,7 +235,9 @@ class DraftBudget:
         return out
 
     def observe(self, probs: np.ndarray, sent: np.ndarray, accepted: np.ndarray) -> None:
-        self.calibrator.observe(probs, sent, accepted)
+        """Learn from last step's drafts (arrays as the proposer keeps them)."""
+        cal = self.calibrator
+        _observe(probs, sent, accepted, cal._hits, cal._trials, cal.decay)
 
 
 class AcceptanceCalibrator:

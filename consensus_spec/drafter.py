@@ -28,7 +28,7 @@ from .forest import UNSET, SuffixForest
 
 @dataclass(frozen=True)
 class DrafterOptions:
-    max_depth: int = 10             # longest context (tokens) matched in a trie
+    max_depth: int = 8              # longest context (tokens) matched in a trie
     min_prob: float = 0.05          # stop once P(this draft token accepted) < min_prob
     min_match: int = 1              # shortest context a draft may come from
     prior: float = 0.5              # pseudo-count added to node totals: few sightings weigh less

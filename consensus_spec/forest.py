@@ -25,7 +25,7 @@ _TOKEN_BITS = 21
 _TOKEN_LIMIT = 1 << _TOKEN_BITS
 TOK, DEP, CNT, TOT, BEST, LINK, FIRST = range(7)  # columns of the node array
 _FIB = np.uint64(0x9E3779B97F4A7C15)      # Fibonacci hashing multiplier
-_BAD_TOKEN, _BAD_INPUT, _STALE = -1, -2, -3
+_BAD_TOKEN, _BAD_INPUT, _STALE, _FULL = -1, -2, -3, -4
 UNSET = -2  # a cursor that points into no trie yet (see extend_and_draft)
 
 
@@ -227,22 +227,31 @@ def _draft(nodes, table, shift, n_nodes, max_depth, nodes_a, nodes_b, weight_b,
 
 @kernel
 def _extend_draft(nodes, table, shift, state, max_depth, cursors, ids, buf, rows, begins,
-                  ends, max_tokens, k, weight_b, min_prob, min_match, prior):
+                  ends, max_tokens, weight_b, min_prob, min_match, prior):
     m = ids.shape[0]
+    k = 0
+    for i in range(m):
+        k = max(k, max_tokens[i])
     toks = np.zeros((m, k), np.int32)
     probs = np.zeros((m, k), np.float64)
     lens = np.zeros(m, np.int32)
     for i in range(m):
         if not 0 <= ids[i] < cursors.shape[0]:
-            return toks, probs, lens, _BAD_INPUT
+            return toks, probs, lens, _BAD_INPUT, 0
         if cursors[ids[i], 0] < 0 or cursors[ids[i], 1] < -1:
-            return toks, probs, lens, _STALE
+            return toks, probs, lens, _STALE, 0
     starts = np.empty((m, cursors.shape[1]), np.int64)
     for i in range(m):
         starts[i] = cursors[ids[i]]
     err = _check_ranges(state[0], starts, buf, rows, begins, ends)
     if err:
-        return toks, probs, lens, err
+        return toks, probs, lens, err, 0
+    total = 0
+    for i in range(m):
+        total += ends[i] - begins[i]
+    need = total * cursors.shape[1] * max_depth
+    if state[0] + need > nodes.shape[0] or 2 * (state[1] + need) > table.shape[0]:
+        return toks, probs, lens, _FULL, total
     for i in range(m):  # every row's tokens go in before any row drafts
         for s in range(cursors.shape[1]):
             if starts[i, s] >= 0:
@@ -252,7 +261,7 @@ def _extend_draft(nodes, table, shift, state, max_depth, cursors, ids, buf, rows
         c = cursors[ids[i]]
         lens[i] = _draft_row(nodes, table, shift, max_depth, c[0], c[1], weight_b,
                              min(max_tokens[i], k), min_prob, min_match, prior, toks[i], probs[i])
-    return toks, probs, lens, 0
+    return toks, probs, lens, 0, total
 
 
 def _as_buffer(buffer) -> np.ndarray:
@@ -366,28 +375,27 @@ class SuffixForest:
         Returns ``(tokens, probs, lengths)`` as :meth:`draft_many`, or None,
         changing nothing, if a selected cursor is ``UNSET`` (or A is -1).
         """
-        ids = np.asarray(ids, np.int64)
-        rows, begins, ends = (np.asarray(a, np.int64) for a in (rows, begins, ends))
-        max_tokens = np.asarray(max_tokens, np.int32)
+        ids, rows, begins, ends, max_tokens = (
+            np.asarray(a, np.int64) for a in (ids, rows, begins, ends, max_tokens))
         if not len(ids) == len(rows) == len(begins) == len(ends) == len(max_tokens):
             raise ValueError("ids, rows, begins, ends and max_tokens must have equal length")
         if cursors.ndim != 2 or cursors.shape[1] != 2 or cursors.dtype != np.int64:
             raise ValueError("cursors must be a (P, 2) int64 array")
-        total = int((ends - begins).sum())
-        self._reserve(max(total, 0) * 2 * self.max_depth)
-        self.tokens_appended += max(total, 0)
-        k = int(max_tokens.max(initial=0))
-        toks, probs, lens, err = _extend_draft(
-            self._nodes, self._table, self._shift, self._state, self.max_depth, cursors, ids,
-            _as_buffer(buffer), rows, begins, ends, max_tokens, k, float(weight_b),
-            float(min_prob), int(min_match), float(prior))
+        args = (cursors, ids, _as_buffer(buffer), rows, begins, ends, max_tokens,
+                float(weight_b), float(min_prob), int(min_match), float(prior))
+        while True:
+            toks, probs, lens, err, total = _extend_draft(
+                self._nodes, self._table, self._shift, self._state, self.max_depth, *args)
+            if err != _FULL:
+                break
+            self._reserve(total * cursors.shape[1] * self.max_depth)  # then go again
         if err == _STALE:
-            self.tokens_appended -= max(total, 0)
             return None
         if err == _BAD_TOKEN:
             raise ValueError(f"token ids must be in [0, {_TOKEN_LIMIT})")
         if err == _BAD_INPUT:
             raise ValueError("sequence ids, nodes, rows or token ranges out of range")
+        self.tokens_appended += total
         return toks, probs, lens
 
     def draft_many(self, nodes_a, nodes_b, weight_b: float, max_tokens, k: int,

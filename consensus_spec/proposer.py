@@ -42,7 +42,7 @@ class ConsensusProposer:
             self._sent = None
             return drafts
         self._observe()
-        room = np.clip(self.max_model_len - 1 - step.ends, 0, self.num_speculative_tokens)
+        room = np.minimum(self.max_model_len - 1 - step.ends, self.num_speculative_tokens)  # < 0: none
         floor = self.budget.floor(num_rows) if self.budget is not None else None
         # every row's new tokens go in before any row drafts, so each path
         # drafts from its siblings' tokens of this very step

@@ -21,6 +21,7 @@ Python.
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections import OrderedDict
 from typing import Callable, NamedTuple
 
@@ -73,7 +74,7 @@ def _match(counts, ends, token_ids, lens, tail, path, state):
     begins = np.empty(live, np.int64)
     out_ends = np.empty(live, np.int64)
     contiguous = np.empty(live, np.bool_)
-    m = moved = 0
+    m = moved = missed = 0
     for i in range(num_rows):
         if state[i] == _IDLE:
             continue
@@ -93,6 +94,7 @@ def _match(counts, ends, token_ids, lens, tail, path, state):
                 free[who] = False
                 begin = old_lens[who]
                 moved += who != i
+                missed += base - begin
         path[i] = old_path[who] if who >= 0 else -1
         lens[i] = ends[i]
         for t in range(_TAIL):
@@ -101,8 +103,11 @@ def _match(counts, ends, token_ids, lens, tail, path, state):
         contiguous[m] = state[i] == _EXACT
         m += 1
     gone = candidates[free[candidates]]
+    unresolved = 0
+    for j in range(live):
+        unresolved += paths[j] < 0
     return (rows, paths, begins, out_ends, contiguous,
-            old_path[gone], old_lens[gone], old_tail[gone], moved)
+            old_path[gone], old_lens[gone], old_tail[gone], moved, missed, unresolved)
 
 
 @kernel
@@ -141,6 +146,7 @@ class RowTracker:
         self._counts = np.zeros(0, np.int64)  # row -> tokens sampled this step
         self._parked: OrderedDict[tuple, list] = OrderedDict()
         self._parked_lengths: dict[int, int] = {}  # length -> parked keys with it
+        self._lengths_sorted: list[int] = []  # those lengths, ascending
         self._max_parked = max_parked
         self.paths_started = 0
         self.paths_resumed = 0  # taken back from the parked
@@ -152,14 +158,16 @@ class RowTracker:
         num_rows = len(sampled_token_ids)
         self._grow(num_rows)
         self._counts = np.fromiter(map(len, sampled_token_ids), np.int64, num_rows)
-        ends = np.asarray(num_tokens[:num_rows], np.int64)
-        *step, gone, gone_lens, gone_tails, moved = _match(
+        ends = np.asarray(num_tokens[:num_rows])  # int32 in vLLM; no copy
+        *step, gone, gone_lens, gone_tails, moved, missed, unresolved = _match(
             self._counts, ends, token_ids, self._lens, self._tail, self._path, self._state)
         step = RowUpdate(*step)
         self.paths_moved += moved
-        for path, length, tail in zip(gone.tolist(), gone_lens.tolist(), gone_tails.tolist()):
-            self._park(path, length, tail)
-        if not step.contiguous.all():
+        self.tokens_missed += missed
+        if len(gone):
+            for path, length, tail in zip(gone.tolist(), gone_lens.tolist(), gone_tails.tolist()):
+                self._park(path, length, tail)
+        if unresolved:
             self._settle(step, token_ids)
         return step
 
@@ -181,9 +189,9 @@ class RowTracker:
             else:
                 path, length = found
                 self.paths_resumed += 1
+                self.tokens_missed += base - length
                 step.begins[j] = length
             self._path[i] = step.paths[j] = path
-        self.tokens_missed += int(np.sum(step.ends - step.begins - self._counts[step.rows]))
 
     def _grow(self, rows: int) -> None:
         if rows > len(self._lens):
@@ -198,6 +206,8 @@ class RowTracker:
         bucket = self._parked.get(key)
         if bucket is None:
             self._parked[key] = bucket = []
+            if length not in self._parked_lengths:
+                insort(self._lengths_sorted, length)
             self._parked_lengths[length] = self._parked_lengths.get(length, 0) + 1
         bucket.append(path)
         self._parked.move_to_end(key)
@@ -213,9 +223,10 @@ class RowTracker:
 
         k = key(base)
         if k not in self._parked:  # it may have advanced during missed steps
-            lengths = (n for n in range(base - 1, max(base - _MAX_MISSED, 0), -1)
-                       if n in self._parked_lengths)
-            k = next((c for c in map(key, lengths) if c in self._parked), None)
+            lengths = self._lengths_sorted
+            lo = bisect_left(lengths, base - _MAX_MISSED)
+            window = lengths[lo:bisect_left(lengths, base, lo)]
+            k = next((c for c in map(key, reversed(window)) if c in self._parked), None)
             if k is None:
                 return None
         bucket = self._parked[k]
@@ -230,4 +241,5 @@ class RowTracker:
             self._parked_lengths[key[0]] = left
         else:
             del self._parked_lengths[key[0]]
+            del self._lengths_sorted[bisect_left(self._lengths_sorted, key[0])]
         return self._parked.pop(key)
