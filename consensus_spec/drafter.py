@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from .budget import cost_model
+from .budget import AUTO, cost_model
 from .forest import UNSET, SuffixForest
 
 
@@ -37,7 +37,7 @@ class DrafterOptions:
     max_group_tokens: int = 400_000  # prompt tokens of remembered groups (LRU)
     cross_group_tokens: int = 600_000  # the cross-group trie restarts beyond this
     max_trie_nodes: int = 8_000_000  # arena size (~60 B a node) at which all tries start afresh
-    cost_model: str = "h200_7b"     # step-cost model for the batch-aware budget, or "off"
+    cost_model: str = "auto"        # step-cost model for the budget (see budget.py), or "off"
 
     def __post_init__(self):
         if self.max_depth < 1 or self.min_match < 1 or self.min_match > self.max_depth:
@@ -50,7 +50,8 @@ class DrafterOptions:
             raise ValueError("token budgets must be >= 0")
         if self.max_trie_nodes < 1000:
             raise ValueError("max_trie_nodes must be >= 1000")
-        cost_model(self.cost_model)  # validates the name
+        if self.cost_model != AUTO:
+            cost_model(self.cost_model)  # validates the name (and reads a table)
 
     @classmethod
     def from_dict(cls, options: dict) -> "DrafterOptions":

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .budget import DraftBudget, cost_model
+from .budget import AUTO, DraftBudget, cost_model
 from .drafter import ConsensusDrafter, DrafterOptions
 from .rows import RowTracker
 
@@ -25,7 +25,11 @@ class ConsensusProposer:
         sched = getattr(vllm_config, "scheduler_config", None)
         max_num_seqs = int(getattr(sched, "max_num_seqs", 0) or 256)
         self.drafter = ConsensusDrafter(DrafterOptions.from_dict({**self.options, **options}))
-        model = cost_model(self.drafter.options.cost_model)
+        name = self.drafter.options.cost_model
+        if name == AUTO:
+            device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cuda")
+            name = "cpu_embedded" if device == "cpu" else "h200_7b"
+        model = cost_model(name)
         self.budget = DraftBudget(model) if model is not None else None
         self.rows = RowTracker(self.drafter.add_path, self.drafter.release,
                                max_parked=64 + 4 * max_num_seqs)

@@ -7,6 +7,7 @@ import sys
 COMMANDS = {
     "replay": ("evals.replay_bench", "replay recorded traces through the drafters"),
     "math": ("evals.math_eval", "self-consistency math eval: accuracy and speed per drafting method"),
+    "step-costs": ("evals.step_costs", "measure a step-cost table T(B, q) for the draft budget"),
 }
 
 

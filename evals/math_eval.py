@@ -217,6 +217,13 @@ def check_dependencies(methods: list[str]) -> None:
 # ---------------------------------------------------------------------------
 
 
+def on_cpu() -> bool:
+    """vLLM will run on the CPU backend (no GPU visible to torch)."""
+    import torch
+
+    return not torch.cuda.is_available()
+
+
 def build_llm(method: str, args):
     from vllm import LLM
 
@@ -295,7 +302,7 @@ def run_configs(method: str, configs: list[tuple], args, problems, max_tokens: i
         # timed; spec counters are diffed per run).
         warm = build_prompt(MathProblem("warmup", WARMUP_QUESTION, "5", problems[0].kind), tokenizer)
         self_consistency(llm, [warm], n=min(4, max(args.n)), temperature=args.temperature,
-                         max_tokens=min(8, max_tokens))
+                         max_tokens=min(8, max_tokens), logprobs=False)
         for n, scouts, early_stop in configs:
             desc = f"{method} n={n}" + (f" S={scouts}" if scouts else "") + (
                 f" es={early_stop_label(early_stop)}" if early_stop is not None else "")
@@ -305,6 +312,7 @@ def run_configs(method: str, configs: list[tuple], args, problems, max_tokens: i
                     llm, prompts, n=n, temperature=args.temperature, top_p=args.top_p,
                     max_tokens=max_tokens, seed=args.seed if args.path_seeds else None,
                     scouts=scouts, early_stop=early_stop,
+                    logprobs=False,  # unweighted votes need none; with drafts they are costly
                     on_problem_done=lambda _p: bar.update(1))
             row = make_row(method, n, scouts, early_stop, run, problems, startup,
                            spec_config(method, args), style)
@@ -471,10 +479,15 @@ def main(argv=None) -> int:
         return e.code if isinstance(e.code, int) else 0
     if not args.verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    in_process = on_cpu() and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
+    if in_process:  # on a few CPU cores a separate engine process mostly competes for them
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     kind = "synthetic" if all(p.kind == "synthetic" for p in problems) else "math"
     max_tokens = args.max_tokens or DEFAULT_MAX_TOKENS[kind]
     print(f"{args.dataset}: {len(problems)} problems; model {args.model}; methods "
-          f"{' '.join(args.methods)}; n {args.n}; max_tokens {max_tokens}", file=sys.stderr)
+          f"{' '.join(args.methods)}; n {args.n}; max_tokens {max_tokens}"
+          + ("; CPU: engine in this process (set VLLM_ENABLE_V1_MULTIPROCESSING=1 to override)"
+             if in_process else ""), file=sys.stderr)
     rows = run_all(args, problems, max_tokens)
     add_speedups(rows)
     table = markdown(rows)

@@ -97,3 +97,31 @@ def test_greedy_choice_equals_exhaustive_search_over_thresholds():
         assert (got <= lengths).all()
         if best:
             assert min(p[n - 1] for p, n in zip(probs, got) if n) >= flat[best - 1]
+
+
+def test_a_measured_table_replaces_the_model(tmp_path):
+    truth = COST_MODELS["cpu_embedded"]
+    table = tmp_path / "costs.jsonl"
+    table.write_text("".join(json.dumps({"B": b, "q": q, "ms": float(truth.step_ms(b, q))}) + "\n"
+                             for b in (16, 64, 256) for q in (1, 2, 5, 9)))
+    fitted = cost_model(str(table))
+    for b, q in ((32, 3), (128, 7)):
+        assert fitted.step_ms(b, q) == pytest.approx(truth.step_ms(b, q), rel=0.02)
+    (tmp_path / "bad.jsonl").write_text("not json\n")
+    with pytest.raises(ValueError, match="cannot read"):
+        cost_model(str(tmp_path / "bad.jsonl"))
+    with pytest.raises(ValueError, match="cannot read"):
+        cost_model(str(tmp_path / "missing.jsonl"))
+
+
+def test_auto_cost_model_follows_the_device():
+    from types import SimpleNamespace
+
+    from consensus_spec import ConsensusProposer
+    from evals.drafters import stand_in_config
+
+    cfg = stand_in_config(k=4, max_model_len=100, max_num_seqs=8)
+    assert ConsensusProposer(cfg).budget.model == COST_MODELS["h200_7b"]
+    cfg.device_config = SimpleNamespace(device_type="cpu")
+    assert ConsensusProposer(cfg).budget.model == COST_MODELS["cpu_embedded"]
+    assert ConsensusProposer(cfg, cost_model="off").budget is None

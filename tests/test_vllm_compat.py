@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -24,3 +26,18 @@ def test_plugin_leaves_vllm_with_a_working_expand():
         torch.tensor([0.75, 0.25]), torch.tensor([2, 3], dtype=torch.int32), 3,
         replace_from=0, replace_to=1)
     assert torch.equal(got, torch.tensor([0.75, 0.75, 0.25]))
+
+
+def test_kernel_scan_survives_numba_being_loaded():
+    pytest.importorskip("vllm")
+    pytest.importorskip("numba")
+    import llvmlite.binding  # noqa: F401 - the module vLLM's scan trips over
+    from vllm.plugins import load_general_plugins
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import dispatcher
+
+    if not current_platform.is_cpu():
+        pytest.skip("the scan fix is installed on CPU builds only")
+    load_general_plugins()
+    dispatcher._rebind_kernels([])  # raised AttributeError before the fix
+    assert "llvmlite.binding.ffi" in sys.modules  # hidden only during the scan
