@@ -19,7 +19,9 @@ is fitted to an H200 running a Qwen2.5-7B-shaped decoder (bf16, CUDA graphs,
 default, ``auto``, takes the CPU one on CPU and the H200 one elsewhere. To
 replace them, measure a table for your model and machine
 (``python -m evals step-costs --out costs.jsonl``) and pass its path as
-``cost_model``; ``cost_model="off"`` drafts as long as the drafter is confident.
+``cost_model`` (with vLLM: ``cost_model="table"`` and the path in
+``$CONSENSUS_SPEC_COST_TABLE``); ``cost_model="off"`` drafts as long as the
+drafter is confident.
 
 The drafter's own estimates come from few sightings and run high, so an
 ``AcceptanceCalibrator`` maps them to the acceptance rate observed so far in
@@ -29,6 +31,7 @@ this engine, per bin of estimate, before the budget uses them.
 from __future__ import annotations
 
 import json
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -79,13 +82,23 @@ COST_MODELS: dict[str, StepCostModel] = {
 AUTO = "auto"  # the proposer picks by device: cpu_embedded on CPU, else h200_7b
 
 
+TABLE, TABLE_ENV = "table", "CONSENSUS_SPEC_COST_TABLE"  # name: the table at $TABLE_ENV
+
+
 def cost_model(name: str) -> StepCostModel | None:
     """A registered model by name, one fitted to a JSONL cost table at a
-    path (rows like ``python -m evals step-costs`` prints), or None for "off"."""
+    path (rows like ``python -m evals step-costs`` prints), or None for "off".
+    ``"table"`` reads the path from ``$CONSENSUS_SPEC_COST_TABLE``: a path
+    cannot travel in the proposer's class name to vLLM's engine process, an
+    environment variable does."""
     if name == "off":
         return None
     if name in COST_MODELS:
         return COST_MODELS[name]
+    if name == TABLE:
+        if not os.environ.get(TABLE_ENV):
+            raise ValueError(f"cost_model={TABLE!r} needs ${TABLE_ENV} set to a .jsonl step-cost table")
+        name = os.environ[TABLE_ENV]
     if name.endswith(".jsonl"):
         try:
             with open(name, encoding="utf-8") as f:
@@ -94,7 +107,7 @@ def cost_model(name: str) -> StepCostModel | None:
             raise ValueError(f"cannot read step-cost table {name}: {e}") from None
         return StepCostModel.fit(rows)
     raise ValueError(f"unknown cost model {name!r}; known: {sorted(COST_MODELS)}, "
-                     f"'{AUTO}', 'off' or a .jsonl step-cost table")
+                     f"'{AUTO}', 'off', '{TABLE}' or a .jsonl step-cost table")
 
 
 @kernel

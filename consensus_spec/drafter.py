@@ -36,7 +36,7 @@ class DrafterOptions:
     prompt_tokens: int = 512        # prompt tail indexed per group
     max_group_tokens: int = 400_000  # prompt tokens of remembered groups (LRU)
     cross_group_tokens: int = 600_000  # the cross-group trie restarts beyond this
-    max_trie_nodes: int = 8_000_000  # arena size (~60 B a node) at which all tries start afresh
+    max_trie_nodes: int = 8_000_000  # arena size (~40 B a node) at which all tries start afresh
     cost_model: str = "auto"        # step-cost model for the budget (see budget.py), or "off"
 
     def __post_init__(self):

@@ -117,3 +117,20 @@ def test_sampled_distribution_matches_no_speculation(model, tmp_path):
     pvalues = [chi2_pvalue([s[i] for s in a if len(s) > i], [s[i] for s in b if len(s) > i])
                for i in range(1, 8)]
     assert min(pvalues) > 0.01 / 7, pvalues
+
+
+def test_step_cost_probe_measures_a_table_in_vllm(model, tmp_path):
+    """``python -m evals step-costs`` times real engine steps at every
+    (batch, q) asked for, and the table it writes loads as a cost model.
+    (How the times compare is a measurement, not asserted here.)"""
+    out = tmp_path / "costs.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "evals", "step-costs", "--model", model, "--batches", "4", "32",
+         "--q", "1", "5", "--steps", "6", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["B"], r["q"]) for r in rows] == [(4, 1), (4, 5), (32, 1), (32, 5)]
+    assert all(r["ms"] > 0 for r in rows)
+    from consensus_spec.budget import cost_model
+    assert cost_model(str(out)).step_ms(32, 5) > 0
