@@ -31,7 +31,9 @@ def encode(options: dict) -> str:
         elif isinstance(value, str) and value.isidentifier():
             text = value
         else:
-            raise ValueError(f"option {key}={value!r} cannot be passed to vLLM's engine process")
+            hint = (" (for a step-cost table use cost_model='table' and set $CONSENSUS_SPEC_COST_TABLE)"
+                    if key == "cost_model" else "")
+            raise ValueError(f"option {key}={value!r} cannot be passed to vLLM's engine process{hint}")
         parts.append(f"{key}_{text}")
     return "__".join(parts)
 

@@ -131,3 +131,13 @@ def test_bad_options_fail_before_reaching_vllm():
         speculative_config(num_speculative_tokens=0)
     with pytest.raises(AttributeError):
         getattr(configured, "nonsense_1")
+
+
+def test_options_that_cannot_reach_the_engine_process_are_clear_errors(tmp_path):
+    table = tmp_path / "costs.jsonl"
+    table.write_text("".join(f'{{"B": {b}, "q": {q}, "ms": {1 + b * q / 100}}}\n'
+                             for b in (8, 64) for q in (1, 3, 5)))
+    with pytest.raises(ValueError, match="CONSENSUS_SPEC_COST_TABLE"):
+        speculative_config(8, cost_model=str(table))
+    with pytest.raises(ValueError, match="unknown drafter option"):
+        speculative_config(8, min_porb=0.2)
