@@ -111,10 +111,16 @@ def cost_model(name: str) -> StepCostModel | None:
 
 
 @kernel
+def _bin(p, bins):
+    """Calibration bin of an estimate (clamped to [0, 1])."""
+    return min(max(int(p * bins), 0), bins - 1)
+
+
+@kernel
 def _calibrate(p, rate):
     if rate.shape[0] == 0:
         return p
-    return rate[min(max(int(p * rate.shape[0]), 0), rate.shape[0] - 1)]
+    return rate[_bin(p, rate.shape[0])]
 
 
 @kernel
@@ -178,9 +184,9 @@ def _choose(probs, lengths, batch, step_ms, rate, out):
 
 
 @kernel
-def _first_paying_bin(hits, trials, cost):
+def _first_bin_above(hits, trials, rate):
     for b in range(hits.shape[0]):
-        if hits[b] > cost * trials[b]:
+        if hits[b] > rate * trials[b]:
             return b
     return hits.shape[0]
 
@@ -215,12 +221,10 @@ def choose_lengths(probs: np.ndarray, lengths: np.ndarray, batch: int,
 
 @kernel
 def _calibrated(probs, rate, out):
-    bins = rate.shape[0]
     for i in range(probs.shape[0]):
         low = 1.0
         for j in range(probs.shape[1]):
-            b = min(int(probs[i, j] * bins), bins - 1)
-            low = min(low, rate[b])
+            low = min(low, _calibrate(probs[i, j], rate))
             out[i, j] = low
 
 
@@ -237,7 +241,7 @@ def _observe(probs, sent, accepted, hits, trials, decay):
         trials[b] *= decay
     for i in range(probs.shape[0]):
         for j in range(min(sent[i], probs.shape[1])):
-            b = min(max(int(probs[i, j] * bins), 0), bins - 1)
+            b = _bin(probs[i, j], bins)
             trials[b] += 1.0
             if j < accepted[i]:
                 hits[b] += 1.0
@@ -271,9 +275,7 @@ class DraftBudget:
         rises), and every estimate below the returned value calibrates to
         less than that cost."""
         t = self.step_ms(batch, 1)
-        cost = batch * (t[1] - t[0]) / t[0]
-        cal = self.calibrator
-        return max(0.0, (_first_paying_bin(cal._hits, cal._trials, cost) - 1e-6) / cal.bins)
+        return self.calibrator.lowest_estimate_above(batch * (t[1] - t[0]) / t[0])
 
     def __call__(self, probs: np.ndarray, lengths: np.ndarray, batch: int) -> np.ndarray:
         """:func:`choose_lengths` with this budget's model and calibration."""
@@ -282,9 +284,7 @@ class DraftBudget:
         return out
 
     def observe(self, probs: np.ndarray, sent: np.ndarray, accepted: np.ndarray) -> None:
-        """Learn from last step's drafts (arrays as the proposer keeps them)."""
-        cal = self.calibrator
-        _observe(probs, sent, accepted, cal._hits, cal._trials, cal.decay)
+        self.calibrator.observe(probs, sent, accepted)
 
 
 class AcceptanceCalibrator:
@@ -308,6 +308,10 @@ class AcceptanceCalibrator:
         """Observed acceptance rate per bin of estimate."""
         return self._hits / self._trials
 
+    def lowest_estimate_above(self, rate: float) -> float:
+        """An estimate below which every bin's observed rate is at most ``rate``."""
+        return max(0.0, (_first_bin_above(self._hits, self._trials, rate) - 1e-6) / self.bins)
+
     def __call__(self, probs: np.ndarray) -> np.ndarray:
         """Calibrated (R, k) chances for estimated ones (last axis along the draft)."""
         probs = np.asarray(probs, dtype=np.float64)
@@ -315,7 +319,7 @@ class AcceptanceCalibrator:
             return probs
         flat = probs.reshape(-1, probs.shape[-1])
         out = np.empty_like(flat)
-        _calibrated(np.clip(flat, 0.0, 1.0), self.rate(), out)
+        _calibrated(flat, self.rate(), out)
         return out.reshape(probs.shape)
 
     def observe(self, probs: np.ndarray, sent: np.ndarray, accepted: np.ndarray) -> None:

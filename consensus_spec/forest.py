@@ -154,17 +154,25 @@ def _check_ranges(n_nodes, starts, buf, rows, begins, ends):
 
 @kernel
 def _extend(nodes, table, shift, state, max_depth, starts, buf, rows, begins, ends):
-    """Append ``buf[rows[i], begins[i]:ends[i]]`` to each sequence ``starts[i, s]``."""
+    """Append ``buf[rows[i], begins[i]:ends[i]]`` to each sequence ``starts[i, s]``
+    (-1: none). Returns (new nodes, error or 0, tokens per sequence); on
+    ``_FULL`` nothing changed and the arrays need room for that many tokens."""
     out = starts.copy()
     err = _check_ranges(state[0], starts, buf, rows, begins, ends)
     if err:
-        return out, err
+        return out, err, 0
+    total = 0
+    for i in range(starts.shape[0]):
+        total += ends[i] - begins[i]
+    need = total * starts.shape[1] * max_depth
+    if state[0] + need > nodes.shape[0] or 2 * (state[1] + need) > table.shape[0]:
+        return out, _FULL, total
     for i in range(starts.shape[0]):
         for s in range(starts.shape[1]):
             if starts[i, s] >= 0:
                 out[i, s] = _append(nodes, table, shift, state, max_depth, starts[i, s],
                                     buf, rows[i], begins[i], ends[i])
-    return out, 0
+    return out, 0, total
 
 
 @kernel
@@ -243,20 +251,12 @@ def _extend_draft(nodes, table, shift, state, max_depth, cursors, ids, buf, rows
     starts = np.empty((m, cursors.shape[1]), np.int64)
     for i in range(m):
         starts[i] = cursors[ids[i]]
-    err = _check_ranges(state[0], starts, buf, rows, begins, ends)
+    # every row's tokens go in before any row drafts
+    out, err, total = _extend(nodes, table, shift, state, max_depth, starts, buf, rows, begins, ends)
     if err:
-        return toks, probs, lens, err, 0
-    total = 0
+        return toks, probs, lens, err, total
     for i in range(m):
-        total += ends[i] - begins[i]
-    need = total * cursors.shape[1] * max_depth
-    if state[0] + need > nodes.shape[0] or 2 * (state[1] + need) > table.shape[0]:
-        return toks, probs, lens, _FULL, total
-    for i in range(m):  # every row's tokens go in before any row drafts
-        for s in range(cursors.shape[1]):
-            if starts[i, s] >= 0:
-                cursors[ids[i], s] = _append(nodes, table, shift, state, max_depth, starts[i, s],
-                                             buf, rows[i], begins[i], ends[i])
+        cursors[ids[i]] = out[i]
     for i in range(m):
         c = cursors[ids[i]]
         lens[i] = _draft_row(nodes, table, shift, max_depth, c[0], c[1], weight_b,
@@ -350,17 +350,8 @@ class SuffixForest:
         rows, begins, ends = (np.asarray(a, np.int64) for a in (rows, begins, ends))
         if nodes.ndim != 2 or not len(nodes) == len(rows) == len(begins) == len(ends):
             raise ValueError("need nodes (R, S) and rows, begins, ends of length R")
-        buffer = _as_buffer(buffer)
-        total = int(np.maximum(ends - begins, 0).sum())
-        self._reserve(total * nodes.shape[1] * self.max_depth)
-        out, err = _extend(self._nodes, self._table, self._shift, self._state,
-                           self.max_depth, nodes, buffer, rows, begins, ends)
-        if not err:
-            self.tokens_appended += total
-        if err == _BAD_TOKEN:
-            raise ValueError(f"token ids must be in [0, {_TOKEN_LIMIT})")
-        if err == _BAD_INPUT:
-            raise ValueError("node ids, rows or token ranges out of range")
+        args = (nodes, _as_buffer(buffer), rows, begins, ends)
+        out, _ = self._with_room(_extend, args, nodes.shape[1])
         return out
 
     def extend_and_draft(self, cursors, ids, buffer, rows, begins, ends, max_tokens,
@@ -383,20 +374,26 @@ class SuffixForest:
             raise ValueError("cursors must be a (P, 2) int64 array")
         args = (cursors, ids, _as_buffer(buffer), rows, begins, ends, max_tokens,
                 float(weight_b), float(min_prob), int(min_match), float(prior))
+        out, err = self._with_room(_extend_draft, args, cursors.shape[1])
+        return None if err == _STALE else out
+
+    def _with_room(self, extend_kernel, args, width: int):
+        """Run a kernel that extends sequences (``width`` tries each), growing
+        the arrays and running it again when it reports they are too small;
+        returns (its outputs, 0 or ``_STALE``) and raises on bad input."""
         while True:
-            toks, probs, lens, err, total = _extend_draft(
-                self._nodes, self._table, self._shift, self._state, self.max_depth, *args)
+            *out, err, total = extend_kernel(self._nodes, self._table, self._shift, self._state,
+                                             self.max_depth, *args)
             if err != _FULL:
                 break
-            self._reserve(total * cursors.shape[1] * self.max_depth)  # then go again
-        if err == _STALE:
-            return None
+            self._reserve(total * width * self.max_depth)
         if err == _BAD_TOKEN:
             raise ValueError(f"token ids must be in [0, {_TOKEN_LIMIT})")
         if err == _BAD_INPUT:
-            raise ValueError("sequence ids, nodes, rows or token ranges out of range")
-        self.tokens_appended += total
-        return toks, probs, lens
+            raise ValueError("node or sequence ids, rows or token ranges out of range")
+        if not err:
+            self.tokens_appended += total
+        return (out[0] if len(out) == 1 else tuple(out)), err
 
     def draft_many(self, nodes_a, nodes_b, weight_b: float, max_tokens, k: int,
                    min_prob: float, min_match: int, prior: float):
