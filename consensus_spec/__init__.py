@@ -12,7 +12,8 @@ from importlib import import_module
 
 _EXPORTS = {
     "answers": ("answers_equal", "extract_answer", "normalize_answer"),
-    "config": ("consensus", "speculative_config"),
+    "config": ("consensus", "engine_args", "speculative_config"),
+    "options": ("ProposerOptions",),
     "drafter": ("ConsensusDrafter", "DrafterOptions"),
     "proposer": ("ConsensusProposer",),
     "self_consistency": ("ProblemResult", "Sample", "SelfConsistencyRun", "SpecDecodeStats",

@@ -5,6 +5,9 @@ vLLM builds a custom proposer in its engine-core process from a dotted path
 travel in the class name: ``consensus_spec.configured.min_prob_0p4__max_depth_12``
 is ``ConsensusProposer`` with ``min_prob=0.4, max_depth=12``. Floats write
 ``.`` as ``p`` and a leading ``-`` as ``m``; booleans are ``true``/``false``.
+
+Prefer :func:`consensus_spec.engine_args`, which passes options in vLLM's
+``additional_config``; this encoding serves ``speculative_config(**options)``.
 """
 
 from __future__ import annotations
@@ -12,15 +15,16 @@ from __future__ import annotations
 from dataclasses import fields
 
 from .drafter import DrafterOptions
+from .options import ProposerOptions, parse_options
 from .proposer import ConsensusProposer
 
-_FIELDS = {f.name: f.type for f in fields(DrafterOptions)}
+_FIELDS = {f.name: f.type for cls in (DrafterOptions, ProposerOptions) for f in fields(cls)}
 
 
 def encode(options: dict) -> str:
     if not options:
         return "defaults"
-    DrafterOptions.from_dict(options)  # fail here, not in the engine process
+    parse_options(options)  # fail here, not in the engine process
     parts = []
     for key in sorted(options):
         value = options[key]
@@ -31,9 +35,8 @@ def encode(options: dict) -> str:
         elif isinstance(value, str) and value.isidentifier():
             text = value
         else:
-            hint = (" (for a step-cost table use cost_model='table' and set $CONSENSUS_SPEC_COST_TABLE)"
-                    if key == "cost_model" else "")
-            raise ValueError(f"option {key}={value!r} cannot be passed to vLLM's engine process{hint}")
+            raise ValueError(f"option {key}={value!r} cannot travel in a class name; pass it "
+                             "with consensus_spec.engine_args(...) (vLLM's additional_config)")
         parts.append(f"{key}_{text}")
     return "__".join(parts)
 
@@ -48,14 +51,19 @@ def decode(name: str) -> dict:
             raise AttributeError(f"unknown drafter option in {part!r}")
         text = part[len(key) + 1:]
         kind = _FIELDS[key]
-        if kind in ("bool", bool):
-            options[key] = text == "true"
-        elif kind in ("int", int):
-            options[key] = int(text.replace("m", "-"))
-        elif kind in ("float", float):
-            options[key] = float(text.replace("p", ".").replace("m", "-"))
-        else:
-            options[key] = text
+        try:
+            if kind in ("bool", bool):
+                if text not in ("true", "false"):
+                    raise ValueError(text)
+                options[key] = text == "true"
+            elif kind in ("int", int):
+                options[key] = int(text.replace("m", "-"))
+            elif kind in ("float", float):
+                options[key] = float(text.replace("p", ".").replace("m", "-"))
+            else:
+                options[key] = text
+        except ValueError:
+            raise AttributeError(f"bad {kind} value {text!r} for drafter option {key!r}") from None
     return options
 
 

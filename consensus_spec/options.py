@@ -1,0 +1,85 @@
+"""Proposer options: validated where the user sets them, carried the vLLM way.
+
+vLLM hands plugins their own settings through ``additional_config``:
+``LLM(model, speculative_config=consensus, additional_config={"consensus_spec": {...}})``
+or ``vllm serve ... --additional-config '{"consensus_spec": {...}}'``. The
+proposer reads that section in vLLM's engine process. :func:`engine_args`
+builds both keyword arguments after checking every option here, in the
+calling process, so a typo or a wrong type is an error before any engine
+starts rather than an engine that dies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from .drafter import DrafterOptions
+
+SECTION = "consensus_spec"  # key of our options in vLLM's additional_config
+PROPOSER_CLASS = "consensus_spec.ConsensusProposer"
+
+
+@dataclass(frozen=True)
+class ProposerOptions:
+    """What the proposer does around the drafter (drafting options are in
+    :class:`DrafterOptions`)."""
+
+    warmup: bool = True   # compile and run the kernels at construction, not on the first request
+    max_failures: int = 3  # failing steps in a row after which drafting is switched off
+
+    def __post_init__(self):
+        if self.max_failures < 1:
+            raise ValueError("max_failures must be >= 1")
+
+
+_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
+_KNOWN = {f.name: (cls, f.type) for cls in (DrafterOptions, ProposerOptions) for f in fields(cls)}
+
+
+def _check_type(key: str, value: Any, kind: str) -> None:
+    allowed = _TYPES[kind]
+    if isinstance(value, bool) and bool not in allowed:  # bool is an int in Python
+        allowed = ()
+    if not isinstance(value, allowed):
+        raise TypeError(f"consensus_spec option {key}={value!r}: expected {kind}, "
+                        f"got {type(value).__name__}")
+
+
+def parse_options(options: Mapping[str, Any] | None) -> tuple[DrafterOptions, ProposerOptions]:
+    """Both option sets from one flat mapping; unknown keys and wrong types
+    are errors that name the option."""
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(_KNOWN))
+    if unknown:
+        raise ValueError(f"unknown consensus_spec option(s) {unknown}; known: {sorted(_KNOWN)}")
+    split: dict[type, dict] = {DrafterOptions: {}, ProposerOptions: {}}
+    for key, value in options.items():
+        cls, kind = _KNOWN[key]
+        _check_type(key, value, kind)
+        split[cls][key] = value
+    return DrafterOptions(**split[DrafterOptions]), ProposerOptions(**split[ProposerOptions])
+
+
+def options_from_vllm(vllm_config) -> dict:
+    """Our section of ``vllm_config.additional_config`` ({} when absent)."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    section = extra.get(SECTION, {}) if isinstance(extra, Mapping) else {}
+    if not isinstance(section, Mapping):
+        raise TypeError(f"additional_config[{SECTION!r}] must be a JSON object, got {section!r}")
+    return dict(section)
+
+
+def engine_args(num_speculative_tokens: int = 8, **options) -> dict:
+    """Keyword arguments for ``vllm.LLM`` (or ``AsyncEngineArgs``) that turn
+    on consensus drafting with ``options``, checked here:
+    ``LLM(model, **engine_args(max_depth=10, cost_model="costs.jsonl"))``."""
+    if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
+            or num_speculative_tokens < 1:
+        raise ValueError(f"num_speculative_tokens must be an int >= 1, got {num_speculative_tokens!r}")
+    parse_options(options)
+    return {
+        "speculative_config": {"method": "custom_class", "model": PROPOSER_CLASS,
+                               "num_speculative_tokens": num_speculative_tokens},
+        "additional_config": {SECTION: dict(options)},
+    }
