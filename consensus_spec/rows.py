@@ -3,20 +3,41 @@
 vLLM's proposer interface passes no request ids: rows are condensed when
 requests finish, reused, preempted and resumed, prefills arrive in chunks,
 and whole steps go by without a propose call (vLLM skips the drafter while
-any row is within ``k`` tokens of ``max_model_len``). A row keeps its path
-while the row's tokens continue where that path left off: the path's last
-four tokens are still in place, possibly followed by tokens the tracker
-missed. Otherwise the row's occupant is parked under its (length, last four
-tokens) fingerprint and the row is matched against parked paths; a row that
-matches none starts a new path whose prompt is every token before its first
-sampled one. Paths with identical tokens are interchangeable, so a
-fingerprint collision between them costs nothing.
+any row is within ``k`` tokens of ``max_model_len``). A path is known by a
+64-bit hash of its whole token sequence, kept per row and extended by each
+step's new tokens, so paths of different prompts (or siblings that differ
+anywhere) are not confused because their length and last tokens agree.
 
-One compiled call per step matches every row: rows continuing exactly,
-rows that caught up after missed steps, and rows that took over a path
-another row held (vLLM condenses the batch by moving its last rows into the
-holes finished requests left). Only parking, resuming and new paths run in
-Python.
+A row keeps its path while it continues exactly where that path left off:
+same length, last four tokens in place (O(1) per row: the steady state).
+A former path its own row does not continue is a free candidate (vLLM
+condenses the batch by moving its last rows into the holes finished
+requests left). Rows that don't continue exactly are rare (moved, caught
+up after missed steps, resumed, new) and get their prefix hashes in one
+O(length) pass: a row takes its own former path, else the longest free
+candidate, whose hash equals the row's prefix hash at that path's length.
+An exact row is also checked by full hash when some free candidate's last
+four tokens sit in the row at that candidate's length, as they would if
+the candidate had moved there. A free path no row takes is parked under
+(length, hash); a row that matches nothing resumes a parked path that its
+first tokens hash to (up to ``_MAX_MISSED`` tokens back), else starts a new
+path whose prompt is every token before its first sampled one. Paths with
+identical tokens are interchangeable, so confusing them costs nothing.
+
+Holes left: a request from outside the batch (new or resumed) that lands
+in a row whose last-seen path has left it (finished, preempted, or moved
+during missed steps), with that path's exact length and last four tokens,
+is taken to continue that path unless a free path's tail in the row gives
+it away; catching every such case would mean hashing every row every step.
+And hash collisions, about 2**-64 per comparison (the mixing step is not a
+plain polynomial, so no known token pattern forces one).
+
+Inputs are checked before any token is read (numba does no bounds checks):
+shapes that don't fit raise ``ValueError``; a row whose token count or end
+doesn't fit the buffer sits the step out and its path is freed, to be
+resumed once the row makes sense again (``rows_rejected`` counts these).
+One compiled call per step matches every row; only parking, resuming and
+new paths run in Python.
 """
 
 from __future__ import annotations
@@ -29,11 +50,36 @@ import numpy as np
 
 from .jit import Kernels
 
-_TAIL = 4          # tokens in a fingerprint
+_TAIL = 4          # last tokens compared for an exact continuation
 _MAX_MISSED = 64   # tokens a parked path may have advanced during missed steps
 _IDLE, _EXACT, _OTHER = 0, 1, 2  # row states from _match
+_MUL = np.uint64(0x9E3779B97F4A7C15)  # odd: each hash step is a bijection
+_SHIFT = np.uint64(32)
+_ZERO = np.uint64(0)  # hash of no tokens
 
 kernel = Kernels(globals())
+
+
+@kernel
+def _mix(h, token):
+    """Hash of a sequence with hash ``h`` followed by ``token``."""
+    h = (h + np.uint64(token + 1)) * _MUL
+    return h ^ (h >> _SHIFT)  # fold high bits down: no polynomial structure to collide on
+
+
+@kernel
+def _extend(h, token_ids, i, begin, end):
+    for t in range(begin, end):
+        h = _mix(h, token_ids[i, t])
+    return h
+
+
+@kernel
+def _prefixes(token_ids, i, end, out):
+    """out[n] = hash of row i's first n tokens, for n <= end."""
+    h = out[0] = _ZERO
+    for t in range(end):
+        h = out[t + 1] = _mix(h, token_ids[i, t])
 
 
 @kernel
@@ -46,20 +92,41 @@ def _continues(token_ids, i, length, tail):
 
 
 @kernel
-def _match(counts, ends, token_ids, lens, tail, path, state):
+def _shadowed(token_ids, i, free, lens, tail, hashes, lagged):
+    """Row i, which seems to continue its own path, might instead hold a free
+    path (rows ``free``) that moved there: one of row i's length and tail but
+    other tokens, or after missed steps (``lagged``), a shorter one whose
+    tail is in place in row i at its length."""
+    for r in free:
+        n = lens[r]
+        if (n == lens[i] and hashes[r] != hashes[i] or lagged and 0 < n < lens[i]) \
+                and _continues(token_ids, i, n, tail[r]):
+            return True
+    return False
+
+
+@kernel
+def _match(counts, ends, token_ids, lens, tail, hashes, path, state, window):
     """Find each row's path; rows with new tokens come back as (row, path,
-    begin, end, contiguous), path -1 where no row's former path fits, and
-    the former paths no row continues as (path, length, tail)."""
-    num_rows = counts.shape[0]
-    old_path, old_lens, old_tail = path.copy(), lens.copy(), tail.copy()
+    begin, end, contiguous), path -1 where no row's former path fits (then
+    ``window[row, d]`` is the hash of the row's first ``begin - d`` tokens),
+    and the former paths no row continues as (path, length, hash)."""
+    num_rows, width = counts.shape[0], token_ids.shape[1]
+    old_path, old_lens, old_tail, old_hash = path.copy(), lens.copy(), tail.copy(), hashes.copy()
     free = np.zeros(path.shape[0], np.bool_)  # former path not continued in its own row
-    live = 0
+    live = rejected = 0
+    lagged = False  # steps were missed
     for i in range(path.shape[0]):
         if i >= num_rows:
             free[i] = old_path[i] >= 0
             path[i], lens[i] = -1, -1
         elif counts[i] <= 0:
             state[i] = _IDLE
+        elif ends[i] > width or ends[i] < counts[i]:  # garbage: sit the step out, start clean
+            state[i], counts[i] = _IDLE, 0
+            free[i] = old_path[i] >= 0
+            path[i], lens[i] = -1, -1
+            rejected += 1
         else:
             live += 1
             base = ends[i] - counts[i]
@@ -68,7 +135,20 @@ def _match(counts, ends, token_ids, lens, tail, path, state):
             else:
                 state[i] = _OTHER
                 free[i] = old_path[i] >= 0
-    candidates = np.flatnonzero(free)
+                if 0 < old_lens[i] < base and _continues(token_ids, i, old_lens[i], old_tail[i]):
+                    lagged = True  # this row caught up, so moved paths may have advanced too
+    candidates = pending = np.flatnonzero(free)
+    while pending.shape[0]:  # exact rows a free path may have moved into; O(length) each
+        demoted = np.zeros(path.shape[0], np.bool_)
+        for i in range(num_rows):
+            if state[i] == _EXACT \
+                    and _shadowed(token_ids, i, pending, old_lens, old_tail, old_hash, lagged) \
+                    and _extend(_ZERO, token_ids, i, 0, old_lens[i]) != old_hash[i]:
+                state[i] = _OTHER
+                free[i] = demoted[i] = old_path[i] >= 0
+        pending = np.flatnonzero(demoted)  # its path is free now: check the others against it
+        candidates = np.flatnonzero(free)
+    scratch = np.empty(0, np.uint64)  # prefix hashes of one non-exact row
     rows = np.empty(live, np.int64)
     paths = np.empty(live, np.int64)
     begins = np.empty(live, np.int64)
@@ -78,36 +158,47 @@ def _match(counts, ends, token_ids, lens, tail, path, state):
     for i in range(num_rows):
         if state[i] == _IDLE:
             continue
-        base = ends[i] - counts[i]
+        end = ends[i]
+        base = end - counts[i]
         begin, who = base, -1
         if state[i] == _EXACT:
             who = i
+            hashes[i] = _extend(old_hash[i], token_ids, i, base, end)
         else:  # caught up in its own row after missed steps, else moved here
-            if free[i] and 0 < old_lens[i] <= base and _continues(token_ids, i, old_lens[i], old_tail[i]):
+            if scratch.shape[0] == 0:
+                scratch = np.empty(width + 1, np.uint64)
+            _prefixes(token_ids, i, end, scratch)
+            hashes[i] = scratch[end]
+            n = old_lens[i]
+            if free[i] and 0 < n <= base and scratch[n] == old_hash[i]:
                 who = i
             else:
                 for r in candidates:
-                    if free[r] and 0 < old_lens[r] <= base and (who < 0 or old_lens[r] > old_lens[who]) \
-                            and _continues(token_ids, i, old_lens[r], old_tail[r]):
+                    n = old_lens[r]
+                    if free[r] and 0 < n <= base and (who < 0 or n > old_lens[who]) \
+                            and scratch[n] == old_hash[r]:
                         who = r
             if who >= 0:
                 free[who] = False
                 begin = old_lens[who]
                 moved += who != i
                 missed += base - begin
+            else:  # for resuming a parked path
+                for d in range(min(_MAX_MISSED, base) + 1):
+                    window[i, d] = scratch[base - d]
         path[i] = old_path[who] if who >= 0 else -1
-        lens[i] = ends[i]
+        lens[i] = end
         for t in range(_TAIL):
-            tail[i, t] = token_ids[i, max(ends[i] - _TAIL + t, 0)]
-        rows[m], paths[m], begins[m], out_ends[m] = i, path[i], begin, ends[i]
+            tail[i, t] = token_ids[i, max(end - _TAIL + t, 0)]
+        rows[m], paths[m], begins[m], out_ends[m] = i, path[i], begin, end
         contiguous[m] = state[i] == _EXACT
         m += 1
     gone = candidates[free[candidates]]
     unresolved = 0
     for j in range(live):
         unresolved += paths[j] < 0
-    return (rows, paths, begins, out_ends, contiguous,
-            old_path[gone], old_lens[gone], old_tail[gone], moved, missed, unresolved)
+    return (rows, paths, begins, out_ends, contiguous, old_path[gone], old_lens[gone],
+            old_hash[gone], moved, missed, unresolved, rejected)
 
 
 @kernel
@@ -122,6 +213,11 @@ def _accepted(rows, paths, sent, path, state, counts):
         else:
             sent[j] = 0
     return accepted
+
+
+def _integers(a: np.ndarray) -> bool:
+    """Integers numba mixes with int64 as integers (uint64 would become float)."""
+    return a.dtype.kind == "i" or (a.dtype.kind == "u" and a.dtype.itemsize < 8)
 
 
 class RowUpdate(NamedTuple):
@@ -142,9 +238,11 @@ class RowTracker:
         self._path = np.full(0, -1, np.int64)   # row -> path (-1: none)
         self._lens = np.full(0, -1, np.int64)   # row -> path length (-1: none)
         self._tail = np.zeros((0, _TAIL), np.int64)  # row -> path's last tokens
+        self._hash = np.zeros(0, np.uint64)     # row -> hash of the path's whole sequence
+        self._window = np.zeros((0, _MAX_MISSED + 1), np.uint64)  # see _match
         self._state = np.zeros(0, np.int64)  # row -> _IDLE, _EXACT or _OTHER this step
         self._counts = np.zeros(0, np.int64)  # row -> tokens sampled this step
-        self._parked: OrderedDict[tuple, list] = OrderedDict()
+        self._parked: OrderedDict[tuple, list] = OrderedDict()  # (length, hash) -> paths
         self._parked_lengths: dict[int, int] = {}  # length -> parked keys with it
         self._lengths_sorted: list[int] = []  # those lengths, ascending
         self._max_parked = max_parked
@@ -152,21 +250,37 @@ class RowTracker:
         self.paths_resumed = 0  # taken back from the parked
         self.paths_moved = 0    # found in another row than last step
         self.tokens_missed = 0  # tokens generated while no propose call saw them
+        self.rows_rejected = 0  # row-steps skipped for inconsistent inputs
 
     def update(self, sampled_token_ids, num_tokens, token_ids) -> RowUpdate:
-        """Where each row's new tokens are, and whose they are. Call once per step."""
+        """Where each row's new tokens are, and whose they are. Call once per step.
+        Raises ValueError (and changes nothing) if the arguments' shapes don't fit."""
         num_rows = len(sampled_token_ids)
+        ends, token_ids = np.asarray(num_tokens), np.asarray(token_ids)  # no copies
+        if ends.ndim != 1 or len(ends) < num_rows or not (num_rows == 0 or _integers(ends)):
+            raise ValueError(f"num_tokens: need {num_rows} integers, got {ends.dtype} {ends.shape}")
+        if token_ids.ndim != 2 or len(token_ids) < num_rows or not _integers(token_ids):
+            raise ValueError(f"token_ids: need {num_rows} rows of integers, "
+                             f"got {token_ids.dtype} {token_ids.shape}")
+        try:
+            counts = np.fromiter(map(len, sampled_token_ids), np.int64, num_rows)
+        except TypeError as e:
+            raise ValueError("sampled_token_ids: need a list of token lists") from e
+        ends = ends[:num_rows]
+        if ends.dtype.kind != "i":  # [] is float
+            ends = ends.astype(np.int64)
         self._grow(num_rows)
-        self._counts = np.fromiter(map(len, sampled_token_ids), np.int64, num_rows)
-        ends = np.asarray(num_tokens[:num_rows])  # int32 in vLLM; no copy
-        *step, gone, gone_lens, gone_tails, moved, missed, unresolved = _match(
-            self._counts, ends, token_ids, self._lens, self._tail, self._path, self._state)
+        self._counts = counts
+        *step, gone, gone_lens, gone_hashes, moved, missed, unresolved, rejected = _match(
+            counts, ends, token_ids, self._lens, self._tail, self._hash, self._path,
+            self._state, self._window)
         step = RowUpdate(*step)
         self.paths_moved += moved
         self.tokens_missed += missed
+        self.rows_rejected += rejected
         if len(gone):
-            for path, length, tail in zip(gone.tolist(), gone_lens.tolist(), gone_tails.tolist()):
-                self._park(path, length, tail)
+            for path, length, h in zip(gone.tolist(), gone_lens.tolist(), gone_hashes.tolist()):
+                self._park(path, (length, h))
         if unresolved:
             self._settle(step, token_ids)
         return step
@@ -182,7 +296,7 @@ class RowTracker:
         """Rows no former path fits: a parked path resumes, or a new one starts."""
         for j in np.flatnonzero(step.paths < 0).tolist():
             i, base = int(step.rows[j]), int(step.begins[j])
-            found = self._unpark(token_ids[i], base)
+            found = self._unpark(i, base)
             if found is None:
                 path = self._start_path(token_ids[i][:base])
                 self.paths_started += 1
@@ -199,13 +313,15 @@ class RowTracker:
             self._path = np.concatenate([self._path, np.full(extra, -1, np.int64)])
             self._lens = np.concatenate([self._lens, np.full(extra, -1, np.int64)])
             self._tail = np.concatenate([self._tail, np.zeros((extra, _TAIL), np.int64)])
-            self._state = np.zeros(len(self._lens), np.int64)
+            self._hash = np.concatenate([self._hash, np.zeros(extra, np.uint64)])
+            self._window = np.zeros((rows, _MAX_MISSED + 1), np.uint64)
+            self._state = np.zeros(rows, np.int64)
 
-    def _park(self, path: int, length: int, tail: list) -> None:
-        key = (length, tuple(tail[_TAIL - min(length, _TAIL):]))
+    def _park(self, path: int, key: tuple) -> None:
         bucket = self._parked.get(key)
         if bucket is None:
             self._parked[key] = bucket = []
+            length = key[0]
             if length not in self._parked_lengths:
                 insort(self._lengths_sorted, length)
             self._parked_lengths[length] = self._parked_lengths.get(length, 0) + 1
@@ -216,17 +332,17 @@ class RowTracker:
                 if self._release_path is not None:
                     self._release_path(old)
 
-    def _unpark(self, row, base: int):
-        """(path, length) of a parked path this row continues, or None."""
-        def key(n):
-            return (n, tuple(row[max(0, n - _TAIL):n].tolist()))
-
-        k = key(base)
+    def _unpark(self, row: int, base: int):
+        """(path, length) of a parked path whose sequence is row's first
+        ``base`` tokens or up to ``_MAX_MISSED`` fewer, longest first, or None."""
+        window = self._window[row]  # window[d]: hash of the row's first base - d tokens
+        k = (base, int(window[0]))
         if k not in self._parked:  # it may have advanced during missed steps
             lengths = self._lengths_sorted
-            lo = bisect_left(lengths, base - _MAX_MISSED)
-            window = lengths[lo:bisect_left(lengths, base, lo)]
-            k = next((c for c in map(key, reversed(window)) if c in self._parked), None)
+            lo = bisect_left(lengths, max(base - _MAX_MISSED, 1))
+            below = reversed(lengths[lo:bisect_left(lengths, base, lo)])
+            k = next((c for c in ((n, int(window[base - n])) for n in below) if c in self._parked),
+                     None)
             if k is None:
                 return None
         bucket = self._parked[k]
