@@ -12,10 +12,10 @@ from importlib import import_module
 
 _EXPORTS = {
     "answers": ("answers_equal", "extract_answer", "normalize_answer"),
-    "config": ("consensus", "engine_args", "speculative_config"),
-    "options": ("ProposerOptions",),
+    "vllm.options": ("ProposerOptions", "consensus", "engine_args"),
+    "vllm.configured": ("speculative_config",),
     "drafter": ("ConsensusDrafter", "DrafterOptions"),
-    "proposer": ("ConsensusProposer",),
+    "vllm.proposer": ("ConsensusProposer",),
     "self_consistency": ("ProblemResult", "Sample", "SelfConsistencyRun", "SpecDecodeStats",
                          "self_consistency"),
     "trie": ("SuffixTrie",),

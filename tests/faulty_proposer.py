@@ -7,7 +7,7 @@ drafter on those propose calls (1-based); ``{"every": true}`` on every call.
 
 from __future__ import annotations
 
-from consensus_spec.proposer import ConsensusProposer
+from consensus_spec.vllm.proposer import ConsensusProposer
 
 
 class FaultyProposer(ConsensusProposer):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from consensus_spec import ConsensusProposer, consensus, engine_args, speculative_config
-from consensus_spec import configured
+from consensus_spec.vllm import configured
 from evals.drafters import stand_in_config
 
 PROMPT = [50, 51, 52, 53, 54]
@@ -118,7 +118,7 @@ def test_config_carries_options_to_the_engine_process():
     spec = speculative_config(num_speculative_tokens=5, min_prob=0.25, max_depth=10)
     assert spec["num_speculative_tokens"] == 5
     module, name = spec["model"].rsplit(".", 1)
-    assert module == "consensus_spec.configured"
+    assert module == "consensus_spec.vllm.configured"
     assert all(part.isidentifier() for part in spec["model"].split("."))
     cls = getattr(configured, name)
     proposer = cls(stand_in_config(k=5, max_model_len=100, max_num_seqs=4))

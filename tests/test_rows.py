@@ -4,8 +4,8 @@ the way vLLM's input batch changes (condense, preemption, missed steps)."""
 import numpy as np
 import pytest
 
-from consensus_spec import rows as rows_module
-from consensus_spec.rows import RowTracker
+from consensus_spec.vllm import rows as rows_module
+from consensus_spec.vllm.rows import RowTracker
 
 MASK = 2**64 - 1
 MUL = 0x9E3779B97F4A7C15

@@ -4,8 +4,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from consensus_spec import vllm_compat  # noqa: E402
-from consensus_spec.vllm_compat import expand_batch_to_tokens  # noqa: E402
+from consensus_spec.vllm import compat as vllm_compat  # noqa: E402
+from consensus_spec.vllm.compat import expand_batch_to_tokens  # noqa: E402
 
 
 def test_expand_spreads_per_request_values_over_draft_positions():

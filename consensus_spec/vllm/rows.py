@@ -48,7 +48,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from .jit import Kernels
+from ..jit import Kernels
 
 _TAIL = 4          # last tokens compared for an exact continuation
 _MAX_MISSED = 64   # tokens a parked path may have advanced during missed steps

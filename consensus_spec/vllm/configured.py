@@ -2,7 +2,7 @@
 
 vLLM builds a custom proposer in its engine-core process from a dotted path
 (``speculative_config.model``) and rejects unknown config keys, so options
-travel in the class name: ``consensus_spec.configured.min_prob_0p4__max_depth_12``
+travel in the class name: ``consensus_spec.vllm.configured.min_prob_0p4__max_depth_12``
 is ``ConsensusProposer`` with ``min_prob=0.4, max_depth=12``. Floats write
 ``.`` as ``p`` and a leading ``-`` as ``m``; booleans are ``true``/``false``.
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from .drafter import DrafterOptions
-from .options import ProposerOptions, parse_options
+from ..drafter import DrafterOptions
+from .options import ProposerOptions, engine_args, parse_options
 from .proposer import ConsensusProposer
 
 _FIELDS = {f.name: f.type for cls in (DrafterOptions, ProposerOptions) for f in fields(cls)}
@@ -39,6 +39,17 @@ def encode(options: dict) -> str:
                              "with consensus_spec.engine_args(...) (vLLM's additional_config)")
         parts.append(f"{key}_{text}")
     return "__".join(parts)
+
+
+def speculative_config(num_speculative_tokens: int = 8, **options) -> dict:
+    """A ``speculative_config`` dict selecting the consensus proposer, with
+    ``options`` checked here and carried in the class name. Without options
+    it equals :data:`consensus_spec.consensus`; :func:`consensus_spec.engine_args`
+    carries options in ``additional_config`` instead (any value, paths too)."""
+    spec = engine_args(num_speculative_tokens)["speculative_config"]
+    if options:
+        spec["model"] = f"{__name__}.{encode(options)}"
+    return spec
 
 
 def decode(name: str) -> dict:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from .drafter import DrafterOptions
+from ..drafter import DrafterOptions
 
 SECTION = "consensus_spec"  # key of our options in vLLM's additional_config
 PROPOSER_CLASS = "consensus_spec.ConsensusProposer"
@@ -83,3 +83,7 @@ def engine_args(num_speculative_tokens: int = 8, **options) -> dict:
                                "num_speculative_tokens": num_speculative_tokens},
         "additional_config": {SECTION: dict(options)},
     }
+
+
+consensus = engine_args()["speculative_config"]
+"""``LLM(model, speculative_config=consensus)``: consensus drafting, default options."""

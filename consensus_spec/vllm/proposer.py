@@ -20,8 +20,8 @@ import time
 
 import numpy as np
 
-from .budget import AUTO, DraftBudget, cost_model
-from .drafter import ConsensusDrafter
+from ..budget import AUTO, DraftBudget, cost_model
+from ..drafter import ConsensusDrafter
 from .options import options_from_vllm, parse_options
 from .rows import RowTracker
 
@@ -29,7 +29,7 @@ logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handl
 
 
 class ConsensusProposer:
-    options: dict = {}  # set by the classes consensus_spec.configured makes
+    options: dict = {}  # set by the classes consensus_spec.vllm.configured makes
 
     def __init__(self, vllm_config, **options):
         spec = vllm_config.speculative_config
