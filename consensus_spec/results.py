@@ -12,7 +12,7 @@ __all__ = ["ProblemResult", "Sample", "SelfConsistencyRun", "SpecDecodeStats"]
 
 @dataclass
 class Sample:
-    path: int  # index of the path within its problem; scouts come first
+    path: int  # index of the path within its problem; earlier waves first
     text: str
     answer: str | None
     num_tokens: int
@@ -54,6 +54,7 @@ class ProblemResult:
     est_tokens_saved: int = 0  # estimate: see scheduling._tokens_saved
     stopped_early: bool = False
     weights: list[float] | None = None  # vote weights, if weighted
+    waves: int = 0  # waves of this problem that were started
 
     @property
     def answer(self) -> str | None:
@@ -82,6 +83,9 @@ class SelfConsistencyRun:
     spec_decode: SpecDecodeStats | None  # None: stats unavailable or no spec decode
     wall_time_s: float = 0.0
     config: dict[str, Any] = field(default_factory=dict)
+    engine_steps: int = 0
+    mean_inflight: float = 0.0  # paths in flight per engine step, averaged over steps
+    batch_fill: float | None = None  # mean_inflight / capacity (None: no capacity)
 
     def __len__(self) -> int:
         return len(self.problems)
@@ -99,3 +103,8 @@ class SelfConsistencyRun:
     @property
     def est_tokens_saved(self) -> int:
         return sum(p.est_tokens_saved for p in self.problems)
+
+    @property
+    def num_samples(self) -> int:
+        """Completed paths over all problems."""
+        return sum(len(p.samples) for p in self.problems)

@@ -1,10 +1,12 @@
-"""Path scheduling for self-consistency: which paths run when, and when a
-problem's vote may stop early.
+"""The engine loop of self-consistency: run every problem's paths through an
+engine in waves, vote, stop problems early.
 
-:class:`PathPlanner` and :func:`should_stop` are pure logic and know nothing
-of vLLM; :func:`run_paths` drives any engine with vLLM's ``LLMEngine``
-request API (``add_request``/``step``/``abort_request``) through them.  The
-spec-decode counter helpers read vLLM's Prometheus metrics.
+:func:`run_paths` drives any engine with vLLM's ``LLMEngine`` request API
+(``add_request``/``step``/``abort_request``) through the pure
+:class:`~consensus_spec.waves.PathPlanner`, taking votes with
+:class:`Voting` options and stopping with a
+:class:`~consensus_spec.stopping.StopRule`.  The spec-decode counter helpers
+read vLLM's Prometheus metrics.
 """
 
 from __future__ import annotations
@@ -12,126 +14,94 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from .answers import DEFAULT_TIMEOUT_S, extract_answer
-from .results import ProblemResult, Sample, SpecDecodeStats
+from .results import ProblemResult, Sample, SelfConsistencyRun, SpecDecodeStats
+from .stopping import StopRule
+from .stopping import should_stop as rule_says_stop
 from .voting import VoteResult, logprob_weights, majority_vote
+from .waves import ALL_AT_ONCE, PathPlanner, Schedule
 
 __all__ = [
-    "PathPlanner",
+    "Voting",
     "read_spec_counters",
+    "resolve_schedule",
+    "resolve_stop_rule",
     "run_paths",
     "should_stop",
     "spec_stats_delta",
 ]
 
-
-# ---------------------------------------------------------------------------
-# Pure logic: stop rule and path planning
-# ---------------------------------------------------------------------------
+WEIGHT_METHODS = ("exp_mean", "softmax")
 
 
-def should_stop(
-    vote: VoteResult, remaining: int, margin: float | None = None, max_weight: float = 1.0
-) -> bool:
-    """Whether a problem's vote can stop before its ``remaining`` paths finish.
+@dataclass(frozen=True)
+class Voting:
+    """How a problem's finished paths are voted into one answer.
 
-    Stops when the leader's lead exceeds ``remaining * max_weight`` (even if
-    every remaining path joined the runner-up it could not draw level, so the
-    full-N winner is already known), or, if ``margin`` is given, when the
-    lead is at least ``margin`` (a heuristic that trades accuracy for tokens).
-    """
-    if vote.winner is None:
-        return False
-    lead = vote.margin
-    if lead > remaining * max_weight:
-        return True
-    return margin is not None and lead >= margin
-
-
-class PathPlanner:
-    """Which (problem, path) requests to submit or abort, event by event.
-
-    New problems are admitted in order while fewer than ``capacity`` paths are
-    in flight, so the engine batch stays full without queueing every problem
-    up front.  With ``scouts = S`` a problem first gets paths 0..S-1; paths
-    S..N-1 are submitted as soon as its scouts finish (ahead of problems not
-    yet admitted).  ``stop_check(problem, answers_by_path, remaining)``
-    decides early stop.
+    ``extract``: text -> answer (None: no answer, the path abstains).
+    ``weighted``: weight votes by :func:`~consensus_spec.voting.logprob_weights`
+    of mean token logprobs (``weight_method``; needs logprobs).
+    ``timeout_s``: per math-verify comparison when clustering answers.
     """
 
-    def __init__(
-        self,
-        num_problems: int,
-        n: int,
-        scouts: int = 0,
-        capacity: int | None = None,
-        stop_check: Callable[[int, dict[int, Any], int], bool] | None = None,
-    ):
-        if n < 1:
-            raise ValueError("n must be >= 1")
-        if not 0 <= scouts <= n:
-            raise ValueError("scouts must be in [0, n]")
-        self.num_problems, self.n = num_problems, n
-        self.scouts = scouts if 0 < scouts < n else 0
-        self.capacity = capacity if capacity and capacity > 0 else None
-        self.stop_check = stop_check
-        self.next_problem = 0
-        self.inflight: dict[int, set[int]] = {}  # problem -> running paths
-        self.finished: dict[int, dict[int, Any]] = {}  # problem -> path -> answer
-        self.unsubmitted: dict[int, list[int]] = {}  # follow-up paths not yet sent
-        self.stopped: set[int] = set()
-        self.num_inflight = 0
+    weighted: bool = False
+    weight_method: str = "exp_mean"
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    extract: Callable[[str], str | None] = extract_answer
 
-    def admit(self) -> list[tuple[int, int]]:
-        """Admit waiting problems while there is room; return paths to submit."""
-        out: list[tuple[int, int]] = []
-        while self.next_problem < self.num_problems and (
-            self.capacity is None or self.num_inflight < self.capacity
-        ):
-            p = self.next_problem
-            self.next_problem += 1
-            first = self.scouts or self.n
-            self.finished[p] = {}
-            self.unsubmitted[p] = list(range(first, self.n))
-            out += self._submit(p, list(range(first)))
-        return out
+    def __post_init__(self) -> None:
+        if self.weight_method not in WEIGHT_METHODS:
+            raise ValueError(f"Voting.weight_method must be one of {WEIGHT_METHODS}, "
+                             f"got {self.weight_method!r}")
+        if not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool) \
+                or not self.timeout_s > 0:
+            raise ValueError(f"Voting.timeout_s must be > 0, got {self.timeout_s!r}")
+        if not callable(self.extract):
+            raise ValueError("Voting.extract must be callable")
 
-    def on_finish(self, p: int, path: int, answer: Any) -> tuple[list, list]:
-        """Record a finished path; return (paths to submit, paths to abort)."""
-        if path not in self.inflight.get(p, ()):
-            return [], []  # already aborted
-        self.inflight[p].discard(path)
-        self.num_inflight -= 1
-        self.finished[p][path] = answer
-        submit: list[tuple[int, int]] = []
-        abort: list[tuple[int, int]] = []
-        remaining = self.n - len(self.finished[p])
-        if remaining and self.stop_check and self.stop_check(p, self.finished[p], remaining):
-            abort = [(p, k) for k in sorted(self.inflight[p])]
-            self.num_inflight -= len(abort)
-            self.inflight[p].clear()
-            self.unsubmitted[p] = []
-            self.stopped.add(p)
-        elif self.unsubmitted[p] and not self.inflight[p]:
-            submit = self._submit(p, self.unsubmitted[p])  # scouts done
-            self.unsubmitted[p] = []
-        return submit + self.admit(), abort
 
-    def done(self, p: int) -> bool:
-        return p in self.stopped or len(self.finished.get(p, ())) == self.n
+def resolve_stop_rule(early_stop: Any) -> StopRule | None:
+    """``early_stop`` argument -> StopRule or None (off).
 
-    @property
-    def all_done(self) -> bool:
-        return self.next_problem == self.num_problems and all(
-            self.done(p) for p in range(self.num_problems)
-        )
+    None/False: off.  True: the default :class:`StopRule` (predictive, error
+    0.05).  A StopRule: itself.  A kind name (``"decided"``, ``"predictive"``,
+    ...): that kind with default parameters.  A number m > 0 (the old margin
+    API): ``StopRule(kind="margin", margin=ceil(m), min_samples=1)``.
+    """
+    if early_stop is None or early_stop is False:
+        return None
+    if early_stop is True:
+        return StopRule()
+    if isinstance(early_stop, StopRule):
+        return early_stop
+    if isinstance(early_stop, str):
+        return StopRule(kind=early_stop)  # validates the kind
+    if isinstance(early_stop, (int, float)) and early_stop > 0 and math.isfinite(early_stop):
+        return StopRule(kind="margin", margin=math.ceil(early_stop), min_samples=1)
+    raise ValueError("early_stop must be None, True, a StopRule, a rule kind or a margin > 0, "
+                     f"got {early_stop!r}")
 
-    def _submit(self, p: int, paths: list[int]) -> list[tuple[int, int]]:
-        self.inflight.setdefault(p, set()).update(paths)
-        self.num_inflight += len(paths)
-        return [(p, k) for k in paths]
+
+def resolve_schedule(schedule: Schedule | None, stop_rule: StopRule | None) -> Schedule:
+    """None -> the default waves when stopping, else all paths at once
+    (without a stop rule waves only add latency)."""
+    if schedule is None:
+        return Schedule() if stop_rule is not None else ALL_AT_ONCE
+    if not isinstance(schedule, Schedule):
+        raise ValueError(f"schedule must be a Schedule, got {schedule!r}")
+    return schedule
+
+
+def should_stop(vote: VoteResult, remaining: int, max_weight: float = 1.0) -> bool:
+    """The exact rule on a finished vote: the leader's lead exceeds
+    ``remaining * max_weight``, so no outcome of the remaining paths can
+    change the winner.  Kept as the reference for ``StopRule(kind="decided")``
+    (tests/test_stopping.py cross-checks the two); the engine loop uses
+    :func:`consensus_spec.stopping.should_stop`."""
+    return vote.winner is not None and vote.margin > remaining * max_weight
 
 
 def _tokens_saved(finished_lengths: list[int], cancelled_progress: list[int], max_tokens: int) -> int:
@@ -140,19 +110,6 @@ def _tokens_saved(finished_lengths: list[int], cancelled_progress: list[int], ma
     (``max_tokens`` if none finished), minus what it had already produced."""
     expected = sum(finished_lengths) / len(finished_lengths) if finished_lengths else max_tokens
     return int(round(sum(max(0.0, expected - done) for done in cancelled_progress)))
-
-
-def _stop_rule(early_stop, weighted: bool, weight_method: str):
-    """(margin, max weight per vote) for the early-stop rule, or None if off."""
-    if early_stop is None or early_stop is False:
-        return None
-    if weighted and weight_method != "exp_mean":
-        raise ValueError("early_stop needs per-vote weights bounded by 1 (weight_method='exp_mean')")
-    if early_stop is True or early_stop == "decided":
-        return (None, 1.0)
-    if isinstance(early_stop, (int, float)) and early_stop > 0:
-        return (float(early_stop), 1.0)
-    raise ValueError(f"early_stop must be None, True, 'decided' or a margin > 0, got {early_stop!r}")
 
 
 # ---------------------------------------------------------------------------
@@ -218,28 +175,32 @@ def run_paths(
     prompts: Sequence[Any],
     make_params: Callable[[int, int], Any],
     n: int,
-    scouts: int = 0,
-    capacity: int | None = None,
-    early_stop: bool | float | str | None = None,
-    weighted: bool = False,
-    weight_method: str = "exp_mean",
+    *,
+    schedule: Schedule | None = None,
+    stop_rule: StopRule | None = None,
+    voting: Voting | None = None,
     max_tokens: int = 1024,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    extract: Callable[[str], str | None] = extract_answer,
     delta: bool = False,
     render: Callable[[Any], Any] | None = None,
     on_problem_done: Callable[[int], None] | None = None,
-) -> list[ProblemResult]:
+) -> SelfConsistencyRun:
     """Engine-level loop behind :func:`self_consistency` (vLLM-agnostic).
 
     ``engine`` needs ``add_request(id, prompt, params, arrival_time=)``,
     ``step()``, ``abort_request(ids)`` and ``has_unfinished_requests()``, as
     ``vllm.LLM().llm_engine`` has.  ``make_params(problem, path)`` builds the
-    sampling params; ``delta`` says whether they ask for DELTA outputs.
-    ``on_problem_done(problem)`` is called once per problem as soon as all
-    its paths have finished or it stopped early (e.g. to drive a progress bar).
+    sampling params; ``delta`` says whether they ask for DELTA outputs (needed
+    to count the tokens of aborted paths; only ``check="path"`` aborts).
+    ``schedule`` (default: see :func:`resolve_schedule`) sets waves and
+    capacity; ``stop_rule`` (None: never stop early) is asked with the
+    unweighted answers.  ``on_problem_done(problem)`` is called once per
+    problem as soon as its vote is final.  Returns the run without
+    spec-decode stats (the caller reads those from vLLM).
     """
-    stop_rule = _stop_rule(early_stop, weighted, weight_method)
+    voting = voting or Voting()
+    schedule = resolve_schedule(schedule, stop_rule)
+    if stop_rule is not None and voting.weighted:
+        raise ValueError("stop rules count unweighted votes: early stop needs Voting(weighted=False)")
     if engine.has_unfinished_requests():
         raise RuntimeError("self_consistency needs an idle engine")
     num = len(prompts)
@@ -248,21 +209,21 @@ def run_paths(
     def vote_of(p: int) -> tuple[VoteResult, list[float] | None]:
         done = [samples[p][k] for k in sorted(samples[p])]
         weights = None
-        if weighted:  # a zero-token path has no mean logprob: weight 0
+        if voting.weighted:  # a zero-token path has no mean logprob: weight 0
             lps = [-math.inf if s.mean_logprob is None else s.mean_logprob for s in done]
-            weights = logprob_weights(lps, weight_method)
-        return majority_vote([s.answer for s in done], weights, timeout_s), weights
+            weights = logprob_weights(lps, voting.weight_method)
+        return majority_vote([s.answer for s in done], weights, voting.timeout_s), weights
 
-    def stop_check(p: int, _answers: dict, remaining: int) -> bool:
-        margin, max_w = stop_rule
-        return should_stop(vote_of(p)[0], remaining, margin, max_w)
+    def stop_check(_p: int, answers: list, remaining: int) -> bool:
+        return rule_says_stop(answers, remaining, stop_rule, timeout_s=voting.timeout_s)
 
-    planner = PathPlanner(num, n, scouts, capacity, stop_check if stop_rule else None)
+    planner = PathPlanner(num, n, schedule, stop_check if stop_rule is not None else None)
     run_id = uuid.uuid4().hex[:8]
     rid = lambda p, k: f"sc{run_id}-{p}-{k}"  # noqa: E731
     ids: dict[str, tuple[int, int]] = {}
     accs: dict[tuple[int, int], _Accumulator] = {}  # running paths
     cancelled: dict[int, list[int]] = {i: [] for i in range(num)}  # tokens done per cancelled path
+    steps = inflight_sum = 0
 
     def submit(paths: list[tuple[int, int]]) -> None:
         for p, k in paths:
@@ -278,12 +239,12 @@ def run_paths(
         for p, k in paths:
             cancelled[p].append(accs.pop((p, k)).num_tokens)
 
-    def stopped(p: int) -> None:  # unsubmitted paths count as cancelled at 0 tokens
-        cancelled[p] += [0] * (n - len(samples[p]) - len(cancelled[p]))
-
+    t0 = time.perf_counter()
     try:
         submit(planner.admit())
         while engine.has_unfinished_requests():
+            steps += 1
+            inflight_sum += planner.num_inflight
             finished = []
             for out in engine.step():  # count every token before aborting any
                 key = ids.get(out.request_id)
@@ -297,12 +258,12 @@ def run_paths(
                     continue  # aborted by an earlier finish in this step
                 p, k = key
                 acc = accs.pop(key)
-                samples[p][k] = Sample(k, acc.text, extract(acc.text), acc.num_tokens,
+                samples[p][k] = Sample(k, acc.text, voting.extract(acc.text), acc.num_tokens,
                                        acc.cumulative_logprob, acc.finish_reason)
                 to_submit, to_abort = planner.on_finish(p, k, samples[p][k].answer)
                 abort(to_abort)
-                if p in planner.stopped:
-                    stopped(p)
+                if p in planner.stopped:  # just now: never-sent paths are cancelled at 0 tokens
+                    cancelled[p] += [0] * planner.num_unsent(p)
                 submit(to_submit)
                 if on_problem_done is not None and planner.done(p):
                     on_problem_done(p)
@@ -312,6 +273,7 @@ def run_paths(
         if accs:  # leave the engine idle for the caller
             engine.abort_request([rid(p, k) for p, k in accs])
         raise
+    wall = time.perf_counter() - t0
 
     results = []
     for p in range(num):
@@ -326,5 +288,13 @@ def run_paths(
             est_tokens_saved=_tokens_saved([s.num_tokens for s in done], cancelled[p], max_tokens),
             stopped_early=p in planner.stopped,
             weights=weights,
+            waves=planner.waves_started(p),
         ))
-    return results
+    cap = schedule.capacity
+    mean_inflight = inflight_sum / steps if steps else 0.0
+    config = dict(n=n, schedule=schedule.describe(), capacity=cap,
+                  stop_rule=stop_rule.describe() if stop_rule else "off",
+                  weighted=voting.weighted, weight_method=voting.weight_method, max_tokens=max_tokens)
+    return SelfConsistencyRun(results, None, wall, config, engine_steps=steps,
+                              mean_inflight=mean_inflight,
+                              batch_fill=mean_inflight / cap if cap else None)

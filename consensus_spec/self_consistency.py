@@ -1,10 +1,15 @@
 """Self-consistency (sample N reasoning paths, vote on the answer) on vLLM.
 
 We drive ``llm.llm_engine`` step by step instead of calling ``llm.generate``
-so that a problem's paths can be submitted in waves (scouts first) and
-aborted early once its vote is settled.  The scheduling rules and the
-engine step loop live in :mod:`consensus_spec.scheduling`; result types in
-:mod:`consensus_spec.results`.  Their names are importable from here too.
+so that a problem's paths can run in waves, with a vote after each wave that
+may stop the problem early (adaptive self-consistency), while waves of other
+problems keep the batch full.  Options come in three frozen configs:
+:class:`~consensus_spec.waves.Schedule` (waves, capacity, when to check),
+:class:`~consensus_spec.stopping.StopRule` (when a vote may stop) and
+:class:`~consensus_spec.scheduling.Voting` (answer extraction, weights).  The
+pure planner is :mod:`consensus_spec.waves`, the engine loop
+:mod:`consensus_spec.scheduling`, result types :mod:`consensus_spec.results`;
+their names are importable from here too.
 
 Speculative-decoding statistics come from vLLM's own Prometheus counters
 (``llm.get_metrics()``), read before and after the run.  ``vllm.LLM`` turns
@@ -14,32 +19,39 @@ stats are reported as None.
 
 from __future__ import annotations
 
-import time
+import dataclasses
+import warnings
 from typing import Any, Callable, Sequence
 
-from .answers import DEFAULT_TIMEOUT_S, extract_answer
 from .results import ProblemResult, Sample, SelfConsistencyRun, SpecDecodeStats  # noqa: F401
-from .scheduling import (  # noqa: F401  (_stop_rule, _tokens_saved: re-exported)
-    PathPlanner,
-    _stop_rule,
+from .scheduling import (  # noqa: F401  (_tokens_saved: re-exported for tests)
+    Voting,
     _tokens_saved,
     read_spec_counters,
+    resolve_schedule,
+    resolve_stop_rule,
     run_paths,
-    should_stop,
     spec_stats_delta,
 )
+from .stopping import StopRule
+from .waves import ALL_AT_ONCE, REST, PathPlanner, Schedule
 
 __all__ = [
+    "ALL_AT_ONCE",
     "PathPlanner",
     "ProblemResult",
     "Sample",
+    "Schedule",
     "SelfConsistencyRun",
     "SpecDecodeStats",
+    "StopRule",
+    "Voting",
     "read_spec_counters",
     "run_paths",
     "self_consistency",
-    "should_stop",
 ]
+
+_LEGACY_VOTING = ("weighted", "weight_method", "timeout_s", "extract")
 
 
 def _render_prompt(problem: Any, prompt_template) -> Any:
@@ -51,6 +63,33 @@ def _render_prompt(problem: Any, prompt_template) -> Any:
     return prompt_template.replace("{problem}", str(problem))
 
 
+def _from_legacy(n: int, schedule: Schedule | None, voting: Voting | None,
+                 legacy: dict[str, Any]) -> tuple[Schedule | None, Voting | None]:
+    """Map the pre-config keywords (``scouts``, ``capacity``, ``weighted``,
+    ``weight_method``, ``timeout_s``, ``extract``) onto the configs."""
+    unknown = set(legacy) - {"scouts", "capacity", *_LEGACY_VOTING}
+    if unknown:
+        raise TypeError(f"self_consistency() got unexpected keyword argument(s): "
+                        f"{', '.join(sorted(unknown))}")
+    warnings.warn(f"self_consistency({', '.join(sorted(legacy))}=...) is deprecated: pass "
+                  "schedule=Schedule(...) / voting=Voting(...)", DeprecationWarning, stacklevel=3)
+    if "scouts" in legacy or "capacity" in legacy:
+        if schedule is not None:
+            raise ValueError("pass scouts/capacity inside schedule=Schedule(...), not both")
+        scouts = legacy.get("scouts", 0)
+        if isinstance(scouts, bool) or not isinstance(scouts, int) or not 0 <= scouts <= n:
+            raise ValueError(f"scouts must be an int in [0, n], got {scouts!r}")
+        waves = (scouts, REST) if 0 < scouts < n else (REST,)
+        schedule = Schedule(waves=waves, capacity=legacy.get("capacity"))
+    given = {k: legacy[k] for k in _LEGACY_VOTING if k in legacy}
+    if given:
+        if voting is not None:
+            raise ValueError("pass weighted/weight_method/timeout_s/extract inside "
+                             "voting=Voting(...), not both")
+        voting = Voting(**given)
+    return schedule, voting
+
+
 def self_consistency(
     llm,
     problems: Sequence[Any],
@@ -60,48 +99,59 @@ def self_consistency(
     max_tokens: int = 1024,
     seed: int | None = None,
     prompt_template: str | Callable[[Any], Any] | None = None,
-    scouts: int = 0,
-    early_stop: bool | float | str | None = None,
-    weighted: bool = False,
-    weight_method: str = "exp_mean",
-    stop: list[str] | None = None,
+    *,
+    early_stop: bool | str | StopRule | None = None,
+    schedule: Schedule | None = None,
+    voting: Voting | None = None,
     logprobs: bool = True,
-    capacity: int | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    extract: Callable[[str], str | None] = extract_answer,
+    stop: list[str] | None = None,
     sampling_kwargs: dict[str, Any] | None = None,
     on_problem_done: Callable[[int], None] | None = None,
+    **legacy: Any,
 ) -> SelfConsistencyRun:
-    """Sample ``n`` paths per problem with ``llm`` (a ``vllm.LLM``) and vote.
+    """Sample up to ``n`` paths per problem with ``llm`` (a ``vllm.LLM``) and vote.
 
     ``prompt_template``: None (problems are prompts), a string with a
     ``{problem}`` placeholder, or a callable problem -> prompt.
-    ``scouts``: submit this many paths per problem first and the rest once
-    they finish (pipelined across problems; see :class:`PathPlanner`).
-    ``early_stop``: True/"decided" aborts a problem's remaining paths once its
-    leader cannot be overtaken; a number also stops when the leader is ahead
-    by that many votes.  ``weighted``: weight votes by
-    :func:`voting.logprob_weights` of mean token logprobs (``weight_method``).
+    ``early_stop``: None (all ``n`` paths), True (the default
+    :class:`StopRule`: stop once the predicted chance that the remaining
+    paths change the winner is <= 5%), ``"decided"`` (exact: only when they
+    cannot), another rule kind, or a :class:`StopRule`.
+    ``schedule``: :class:`Schedule` (waves, capacity, check); default: waves
+    ``(4, 4, "rest")`` with a stop rule, all at once without; capacity
+    defaults to the engine's ``max_num_seqs``.
+    ``voting``: :class:`Voting` (answer extraction, logprob weights).
     ``logprobs``: request the sampled tokens' logprobs (needed for weights and
     best-of-n).  ``seed`` makes path k of problem i use seed
     ``seed + i * n + k``, so results do not depend on scheduling.
-    ``capacity``: paths in flight before new problems wait (default: the
-    engine's ``max_num_seqs``).  The engine must be idle: outputs of other
-    requests would be swallowed.  ``on_problem_done(index)`` is called once
-    per problem when its vote is complete (all paths done or stopped early),
-    e.g. to advance a progress bar.
+    ``stop`` and ``sampling_kwargs`` go to ``SamplingParams``.
+    The engine must be idle: outputs of other requests would be swallowed.
+    ``on_problem_done(index)`` is called once per problem when its vote is
+    final, e.g. to advance a progress bar.
+
+    Deprecated keywords, still accepted: ``scouts=S`` (= ``Schedule(waves=(S,
+    "rest"))``), ``capacity``, ``weighted``, ``weight_method``, ``timeout_s``,
+    ``extract`` (fields of :class:`Schedule` / :class:`Voting`).
     """
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    if weighted and not logprobs:
+    if legacy:
+        schedule, voting = _from_legacy(n, schedule, voting, legacy)
+    voting = voting or Voting()
+    stop_rule = resolve_stop_rule(early_stop)
+    schedule = resolve_schedule(schedule, stop_rule)
+    if voting.weighted and not logprobs:
         raise ValueError("weighted voting needs logprobs=True")
     engine = llm.llm_engine
-    if capacity is None:
+    if schedule.capacity is None:
         sched = getattr(getattr(engine, "vllm_config", None), "scheduler_config", None)
         capacity = getattr(sched, "max_num_seqs", None)
-    # DELTA outputs let us count the tokens of paths we abort.
-    delta = early_stop not in (None, False)
+        if isinstance(capacity, int) and capacity > 0:
+            schedule = dataclasses.replace(schedule, capacity=capacity)
+    # DELTA outputs let us count the tokens of paths we abort; only per-path
+    # checks abort, so whole-wave runs ask for the cheaper final outputs.
+    delta = stop_rule is not None and schedule.check == "path"
     kind = RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY
 
     def make_params(p: int, k: int):
@@ -120,16 +170,10 @@ def self_consistency(
     render = getattr(llm, "_preprocess_cmpl_one", None)  # what LLM.generate uses
     prompts = [_render_prompt(p, prompt_template) for p in problems]
     before = read_spec_counters(llm)
-    t0 = time.perf_counter()
-    results = run_paths(
-        engine, prompts, make_params, n=n, scouts=scouts, capacity=capacity,
-        early_stop=early_stop, weighted=weighted, weight_method=weight_method,
-        max_tokens=max_tokens, timeout_s=timeout_s, extract=extract, delta=delta,
-        render=render, on_problem_done=on_problem_done,
-    )
-    wall = time.perf_counter() - t0
-    stats = spec_stats_delta(before, read_spec_counters(llm))
-    config = dict(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed,
-                  scouts=scouts, early_stop=early_stop, weighted=weighted,
-                  weight_method=weight_method, capacity=capacity)
-    return SelfConsistencyRun(results, stats, wall, config)
+    run = run_paths(engine, prompts, make_params, n, schedule=schedule, stop_rule=stop_rule,
+                    voting=voting, max_tokens=max_tokens, delta=delta, render=render,
+                    on_problem_done=on_problem_done)
+    run.spec_decode = spec_stats_delta(before, read_spec_counters(llm))
+    run.config.update(temperature=temperature, top_p=top_p, seed=seed)
+    return run
+

@@ -2,16 +2,22 @@
 
     python -m evals math [--dataset gsm8k|math500|aime2024|synthetic|FILE] [--limit N]
                          [--methods none ngram suffix consensus] [--n 4 8 16] [--k 8]
-                         [--scouts 0 1] [--early-stop [MARGIN]] [--model DIR] [--out PREFIX]
+                         [--early-stop [off|on|decided|predictive:0.05|...]]
+                         [--waves auto|all|4,4,rest ...] [--model DIR] [--out PREFIX]
 
 Each method runs :func:`consensus_spec.self_consistency` over the same
-problems for every ``--n`` (and ``--scouts`` / ``--early-stop`` setting), each
-run on a fresh vLLM engine (built, warmed up, measured and shut down in turn;
-``--reuse-engine`` keeps one engine per method).  Reported per row:
-pass@1 (mean share of correct samples), maj@n (voted answer correct), generated
-tokens, tokens/s, wall time, vLLM's spec-decode counters (mean acceptance
-length, drafted and accepted tokens) and the speedup over ``none`` measured in
-the same invocation.  Writes PREFIX.json, PREFIX.md and PREFIX.png.
+problems for every ``--n`` x ``--waves`` x ``--early-stop`` setting, each run
+on a fresh vLLM engine (built, warmed up, measured and shut down in turn;
+``--reuse-engine`` keeps one engine per method).  ``--early-stop off on``
+compares plain self-consistency (all n at once) with adaptive stopping (the
+default stop rule checked after whole waves of the default schedule) in one
+invocation.  Reported per row: pass@1 (mean share of correct samples), maj@n
+(voted answer correct), agreement of the voted answer with the full-n answer
+of the plain run of the same method, the stop rule replayed on that plain
+run's samples, generated tokens, tokens/s, wall time, batch fill, vLLM's
+spec-decode counters and speedups: tokens/s over ``none`` at the same
+settings, wall time over plain ``none``.  Writes PREFIX.json, PREFIX.md,
+PREFIX.png and, with early stop, PREFIX_tradeoff.png (tokens vs agreement).
 """
 
 from __future__ import annotations
@@ -24,12 +30,17 @@ import re
 import sys
 import time
 
+from . import math_report
+from .math_configs import (  # noqa: F401  (re-exported)
+    UsageError,
+    build_configs,
+    early_stop_label,
+    parse_early_stop,
+    parse_waves,
+)
+
 METHODS = ("none", "ngram", "suffix", "consensus")
 DEFAULT_MAX_TOKENS = {"synthetic": 256, "math": 1024}
-
-
-class UsageError(Exception):
-    """Bad command line: reported as one ``error:`` line, exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -52,11 +63,21 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int,
                     help="tokens per sample (default 256 for synthetic, else 1024)")
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
-    ap.add_argument("--scouts", type=int, nargs="+", default=[0],
-                    help="scout paths per problem before the rest (list ok)")
-    ap.add_argument("--early-stop", nargs="*", metavar="MARGIN",
-                    help="stop a problem once its vote is decided; with MARGIN also when the "
-                         "leader is ahead by MARGIN votes; values may list off/decided/MARGIN")
+    ap.add_argument("--early-stop", nargs="*", metavar="RULE",
+                    help="adaptive stopping, list ok: off, on (default rule: predictive, error "
+                         "0.05), decided (exact), KIND[:VALUE] with KIND predictive/beta (error), "
+                         "window (run length) or margin (votes), or a number (margin); "
+                         "bare flag: on")
+    ap.add_argument("--waves", nargs="+", metavar="SPEC",
+                    help="wave sizes per problem, list ok: auto (default: all at once without "
+                         "early stop, the default waves 4,4,rest with it), all, or e.g. 1,2,4,rest")
+    ap.add_argument("--check", choices=("wave", "path"), default="wave",
+                    help="take the stop vote after whole waves (default) or after every path "
+                         "(aborts running paths)")
+    ap.add_argument("--capacity", type=int,
+                    help="paths in flight (default: the engine's max_num_seqs)")
+    ap.add_argument("--scouts", type=int, nargs="+",
+                    help="deprecated: --scouts S is --waves S,rest (0: all)")
     ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                     help="consensus drafter option, e.g. min_prob=0.3 (repeatable)")
     ap.add_argument("--ngram-lookup", type=int, nargs=2, metavar=("MIN", "MAX"),
@@ -95,11 +116,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise UsageError("--limit must be >= 1")
     if args.k < 1:
         raise UsageError("--k must be >= 1")
-    if any(s < 0 for s in args.scouts):
-        raise UsageError("--scouts must be >= 0")
-    args.scouts = list(dict.fromkeys(args.scouts))
-    if max(args.scouts) > min(args.n):
-        raise UsageError(f"--scouts {max(args.scouts)} exceeds --n {min(args.n)}")
+    if args.scouts is not None:
+        if args.waves is not None:
+            raise UsageError("--scouts is --waves S,rest: give one of them")
+        if any(s < 0 for s in args.scouts):
+            raise UsageError("--scouts must be >= 0")
+        if max(args.scouts) > min(args.n):
+            raise UsageError(f"--scouts {max(args.scouts)} exceeds --n {min(args.n)}")
+        args.waves = [f"{s},rest" if s else "all" for s in args.scouts]
+    if args.capacity is not None and args.capacity < 1:
+        raise UsageError("--capacity must be >= 1")
     if args.temperature < 0:
         raise UsageError("--temperature must be >= 0")
     if not 0 < args.top_p <= 1:
@@ -115,6 +141,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.ngram_lookup and not 1 <= args.ngram_lookup[0] <= args.ngram_lookup[1]:
         raise UsageError("--ngram-lookup needs 1 <= MIN <= MAX")
     args.early_stop = parse_early_stop(args.early_stop)
+    args.waves = parse_waves(args.waves)
+    args.configs = build_configs(args)
     args.drafter_options = parse_options(args.option)
     if "consensus" in args.methods:
         from consensus_spec import speculative_config
@@ -123,33 +151,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         except (TypeError, ValueError) as e:
             raise UsageError(f"bad --option: {e}")
     return args
-
-
-def parse_early_stop(values: list[str] | None) -> list:
-    """``--early-stop`` values -> list of self_consistency early_stop settings."""
-    if values is None:
-        return [None]
-    if not values:  # bare flag
-        return [True]
-    out = []
-    for v in values:
-        if v.lower() in ("off", "none", "no", "false", "0"):
-            out.append(None)
-        elif v.lower() in ("decided", "on", "true", "yes"):
-            out.append(True)
-        else:
-            try:
-                margin = float(v)
-            except ValueError:
-                raise UsageError(f"--early-stop expects off, decided or a margin > 0, got {v!r}")
-            if not margin > 0:
-                raise UsageError(f"--early-stop margin must be > 0, got {v!r}")
-            out.append(margin)
-    return list(dict.fromkeys(out))
-
-
-def early_stop_label(value) -> str:
-    return "off" if value is None else "decided" if value is True else f"margin {value:g}"
 
 
 def parse_options(pairs: list[str]) -> dict:
@@ -244,45 +245,11 @@ def shutdown(llm) -> None:
         pass
 
 
-class Grader:
-    """answers_equal against one gold answer, cached per distinct prediction."""
-
-    def __init__(self, gold: str):
-        self.gold = gold
-        self.cache: dict[str, bool] = {}
-
-    def __call__(self, answer: str | None) -> bool:
-        if answer is None:
-            return False
-        if answer not in self.cache:
-            from consensus_spec.answers import answers_equal
-            self.cache[answer] = answers_equal(answer, self.gold)
-        return self.cache[answer]
-
-
-def score(run, problems) -> dict:
-    """Accuracy figures of one self-consistency run plus per-problem detail."""
-    details, pass1, maj = [], [], []
-    for prob, res in zip(problems, run):
-        grade = Grader(prob.gold)
-        correct = sum(grade(s.answer) for s in res.samples)
-        p1 = correct / len(res.samples) if res.samples else 0.0
-        voted = grade(res.answer)
-        pass1.append(p1)
-        maj.append(voted)
-        details.append(dict(id=prob.id, gold=prob.gold, answer=res.answer, correct=voted,
-                            agreement=round(res.agreement, 4), samples=len(res.samples),
-                            samples_correct=correct, stopped_early=res.stopped_early,
-                            tokens=res.num_tokens))
-    count = max(1, len(problems))
-    return dict(pass_at_1=sum(pass1) / count, maj_at_n=sum(maj) / count, per_problem=details)
-
-
 WARMUP_QUESTION = "Mia has 3 apples. Mia buys 2 more apples. How many apples does Mia have now?"
 
 
 def run_configs(method: str, configs: list[tuple], args, problems, max_tokens: int) -> list[dict]:
-    """Build one engine for ``method``, run each (n, scouts, early_stop) config, free it."""
+    """Build one engine for ``method``, run each (n, schedule, stop rule) config, free it."""
     from tqdm import tqdm
 
     from consensus_spec.self_consistency import self_consistency
@@ -303,18 +270,18 @@ def run_configs(method: str, configs: list[tuple], args, problems, max_tokens: i
         warm = build_prompt(MathProblem("warmup", WARMUP_QUESTION, "5", problems[0].kind), tokenizer)
         self_consistency(llm, [warm], n=min(4, max(args.n)), temperature=args.temperature,
                          max_tokens=min(8, max_tokens), logprobs=False)
-        for n, scouts, early_stop in configs:
-            desc = f"{method} n={n}" + (f" S={scouts}" if scouts else "") + (
-                f" es={early_stop_label(early_stop)}" if early_stop is not None else "")
+        for n, schedule, rule in configs:
+            desc = f"{method} n={n}" + ("" if schedule.all_at_once else f" waves={schedule.describe()}") \
+                + ("" if rule is None else f" es={rule.describe()}")
             with tqdm(total=len(problems), desc=desc, unit="problem", file=sys.stderr,
                       dynamic_ncols=True) as bar:
                 run = self_consistency(
                     llm, prompts, n=n, temperature=args.temperature, top_p=args.top_p,
                     max_tokens=max_tokens, seed=args.seed if args.path_seeds else None,
-                    scouts=scouts, early_stop=early_stop,
+                    schedule=schedule, early_stop=rule,
                     logprobs=False,  # unweighted votes need none; with drafts they are costly
                     on_problem_done=lambda _p: bar.update(1))
-            row = make_row(method, n, scouts, early_stop, run, problems, startup,
+            row = make_row(method, n, schedule, rule, run, problems, startup,
                            spec_config(method, args), style)
             row["prompt_example"] = prompts[0]
             rows.append(row)
@@ -330,27 +297,40 @@ def run_all(args, problems, max_tokens: int) -> list[dict]:
     the suffix and consensus drafters remember earlier outputs per prompt and
     vLLM caches prompt prefixes, so a second pass over the same problems in
     one engine would be measured with an unfair head start."""
-    configs = [(n, s, e) for n in args.n for s in args.scouts for e in args.early_stop]
     rows: list[dict] = []
     for method in args.methods:
         if args.reuse_engine:
-            rows += run_configs(method, configs, args, problems, max_tokens)
+            rows += run_configs(method, args.configs, args, problems, max_tokens)
+            checkpoint(args, rows)
         else:
-            for config in configs:
+            for config in args.configs:
                 rows += run_configs(method, [config], args, problems, max_tokens)
+                checkpoint(args, rows)
     return rows
 
 
-def make_row(method, n, scouts, early_stop, run, problems, startup, spec, style) -> dict:
+def checkpoint(args, rows: list[dict]) -> None:
+    """Rows so far to PREFIX.partial.json (long runs; removed once all is written)."""
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out + ".partial.json", "w") as f:
+        json.dump({"results": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]},
+                  f, default=str)
+
+
+def make_row(method, n, schedule, rule, run, problems, startup, spec, style) -> dict:
     stats = run.spec_decode
     tokens = run.num_tokens
     wall = run.wall_time_s
-    acc = score(run, problems)
+    acc = math_report.score(run, problems)
     return dict(
-        method=method, n=n, scouts=scouts, early_stop=early_stop_label(early_stop),
+        method=method, n=n, waves=schedule.describe(), early_stop=early_stop_label(rule),
+        wave_sizes=schedule.sizes(n), check=schedule.check, _stop_rule=rule,
         problems=len(problems),
         pass_at_1=acc["pass_at_1"], maj_at_n=acc["maj_at_n"],
         tokens=tokens, wall_time_s=wall, tokens_per_s=tokens / wall if wall > 0 else None,
+        samples_per_problem=sum(len(p.samples) for p in run) / max(1, len(problems)),
+        batch_fill=getattr(run, "batch_fill", None), engine_steps=getattr(run, "engine_steps", 0),
+        capacity=getattr(run, "config", {}).get("capacity"),
         mean_acceptance_length=stats.mean_acceptance_length if stats else None,
         acceptance_rate=stats.acceptance_rate if stats else None,
         num_drafts=stats.num_drafts if stats else 0,
@@ -364,100 +344,39 @@ def make_row(method, n, scouts, early_stop, run, problems, startup, spec, style)
     )
 
 
-def add_speedups(rows: list[dict]) -> None:
-    """Speedup vs ``none`` at the same (n, scouts, early stop): tokens/s ratio
-    (``speedup``) and wall-time ratio (``wall_speedup``)."""
-    base = {(r["n"], r["scouts"], r["early_stop"]): r for r in rows if r["method"] == "none"}
-    for r in rows:
-        b = base.get((r["n"], r["scouts"], r["early_stop"]))
-        ok = b is not None and b["tokens_per_s"] and r["tokens_per_s"]
-        r["speedup"] = r["tokens_per_s"] / b["tokens_per_s"] if ok else None
-        r["wall_speedup"] = b["wall_time_s"] / r["wall_time_s"] if ok and r["wall_time_s"] else None
-
-
 # ---------------------------------------------------------------------------
-# Reporting
+# Reporting (evals.math_report; re-exported)
 # ---------------------------------------------------------------------------
 
-
-def _f(value, fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
-
-
-def markdown(rows: list[dict]) -> str:
-    head = ("| method | n | scouts | early stop | pass@1 | maj@n | tokens | tok/s | wall s | "
-            "speedup (tok/s) | speedup (wall) | accept len | drafted | accepted | saved (est) |")
-    lines = [head, "|" + "---|" * 15]
-    for r in rows:
-        lines.append(
-            f"| {r['method']} | {r['n']} | {r['scouts']} | {r['early_stop']} | "
-            f"{r['pass_at_1']:.3f} | {r['maj_at_n']:.3f} | {r['tokens']} | {_f(r['tokens_per_s'], '.1f')} | "
-            f"{r['wall_time_s']:.1f} | {_f(r['speedup'], '.2f')} | {_f(r['wall_speedup'], '.2f')} | "
-            f"{_f(r['mean_acceptance_length'], '.2f')} | {r['drafted_tokens']} | {r['accepted_tokens']} | "
-            f"{r['est_tokens_saved']} |")
-    return "\n".join(lines)
+add_comparisons = math_report.add_comparisons
+add_speedups = math_report.add_comparisons  # the old name
+markdown = math_report.markdown
+plot = math_report.plot
+score = math_report.score
 
 
-def plot(rows: list[dict], path: str) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
-        return False
-    series: dict[str, list[dict]] = {}
-    for r in rows:
-        label = r["method"]
-        if r["scouts"]:
-            label += f" S={r['scouts']}"
-        if r["early_stop"] != "off":
-            label += f" es={r['early_stop']}"
-        series.setdefault(label, []).append(r)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for label, rs in series.items():
-        rs = sorted(rs, key=lambda r: r["n"])
-        ns = [r["n"] for r in rs]
-        sp = [r["speedup"] for r in rs]
-        if any(s is not None for s in sp):
-            ax1.plot(ns, [float("nan") if s is None else s for s in sp], "o-", label=label)
-        line, = ax2.plot(ns, [r["maj_at_n"] for r in rs], "o-", label=f"{label} maj@n")
-        ax2.plot(ns, [r["pass_at_1"] for r in rs], "x--", color=line.get_color(), alpha=0.6,
-                 label=f"{label} pass@1")
-    for ax in (ax1, ax2):
-        ax.set_xlabel("n (samples per problem)")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted({r["n"] for r in rows}))
-        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.grid(alpha=0.3)
-    ax1.set_ylabel("speedup vs none (tokens/s)")
-    ax1.axhline(1.0, color="gray", lw=0.8)
-    ax1.set_title("decode speedup")
-    ax2.set_ylabel("accuracy")
-    ax2.set_ylim(-0.02, 1.02)
-    ax2.set_title("accuracy")
-    for ax in (ax1, ax2):
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
-def write_outputs(args, rows, problems, dataset_name: str, table: str) -> list[str]:
+def write_outputs(args, rows, problems, dataset_name: str, table: str,
+                  points: list[dict] | None = None) -> list[str]:
     out = args.out
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    meta = {k: v for k, v in vars(args).items() if k not in ("option",)}
+    meta = {k: v for k, v in vars(args).items() if k not in ("option", "configs")}
+    meta["configs"] = [(n, s.describe(), early_stop_label(r)) for n, s, r in getattr(args, "configs", [])]
+    public = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
     with open(out + ".json", "w") as f:
         json.dump({"dataset": dataset_name, "num_problems": len(problems), "args": meta,
-                   "results": rows}, f, indent=1, default=str)
+                   "results": public, "tradeoff_replay": points or []}, f, indent=1, default=str)
     with open(out + ".md", "w") as f:
         f.write(f"dataset {dataset_name}, {len(problems)} problems, model {args.model}, "
                 f"temperature {args.temperature}, k={args.k}\n\n{table}\n")
+        if points:
+            f.write("\nStop rules replayed on the plain runs' samples (tokens vs agreement "
+                    "with the plain run's own full-n answer):\n\n"
+                    + math_report.tradeoff_markdown(points) + "\n")
     written = [out + ".json", out + ".md"]
     if args.plot and plot(rows, out + ".png"):
         written.append(out + ".png")
+    if args.plot and points and math_report.plot_tradeoff(rows, points, out + "_tradeoff.png"):
+        written.append(out + "_tradeoff.png")
     return written
 
 
@@ -489,10 +408,17 @@ def main(argv=None) -> int:
           + ("; CPU: engine in this process (set VLLM_ENABLE_V1_MULTIPROCESSING=1 to override)"
              if in_process else ""), file=sys.stderr)
     rows = run_all(args, problems, max_tokens)
-    add_speedups(rows)
+    add_comparisons(rows)
     table = markdown(rows)
     print(table)
-    written = write_outputs(args, rows, problems, args.dataset, table)
+    points = None
+    if any(r["_stop_rule"] is not None for r in rows) and any(map(math_report.is_plain, rows)):
+        points = math_report.tradeoff(rows)
+        print("\nstop rules replayed on the plain runs' samples:\n"
+              + math_report.tradeoff_markdown(points))
+    written = write_outputs(args, rows, problems, args.dataset, table, points)
+    if os.path.exists(args.out + ".partial.json"):
+        os.remove(args.out + ".partial.json")
     print("wrote " + ", ".join(written))
     return 0
 

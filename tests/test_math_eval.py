@@ -21,6 +21,9 @@ from evals.datasets import (  # noqa: E402
     load_problems,
 )
 from evals.prompts import MATH_INSTRUCTION, build_prompt  # noqa: E402
+from consensus_spec.stopping import StopRule  # noqa: E402
+from consensus_spec.waves import Schedule  # noqa: E402
+from evals import math_report  # noqa: E402
 
 
 def write_jsonl(path, rows):
@@ -67,7 +70,19 @@ def run_main(argv, capsys):
     (["--limit", "0"], "--limit must be >= 1"),
     (["--k", "0"], "--k must be >= 1"),
     (["--n", "2", "--scouts", "3"], "--scouts 3 exceeds --n 2"),
+    (["--scouts", "-1"], "--scouts must be >= 0"),
     (["--early-stop", "soon"], "--early-stop expects"),
+    (["--early-stop", "predictive:2"], "StopRule.error"),
+    (["--early-stop", "window:1"], "StopRule.window"),
+    (["--early-stop", "decided:3"], "--early-stop expects"),
+    (["--early-stop", "-1"], "--early-stop expects"),
+    (["--waves", "0,rest"], "--waves expects"),
+    (["--waves", "rest,4"], "--waves expects"),
+    (["--waves", "four"], "--waves expects"),
+    (["--waves", "2,rest", "--scouts", "1"], "give one of them"),
+    (["--waves", "all", "--early-stop"], "no configuration left"),
+    (["--capacity", "0"], "--capacity must be >= 1"),
+    (["--check", "step"], "invalid choice"),
     (["--option", "no_such_option=1"], "bad --option"),
     (["--bogus-flag"], "unrecognized arguments"),
 ])
@@ -111,9 +126,32 @@ def test_parse_args_normalises_lists(small_jsonl):
                                  "--early-stop", "--scouts", "0", "1"])
     assert args.n == [4, 16]
     assert args.methods == ["consensus", "none"]
-    assert args.early_stop == [True] and args.scouts == [0, 1]
+    assert args.early_stop == [StopRule()]
+    assert args.waves == [("rest",), (1, "rest")]  # --scouts S is --waves S,rest
     assert math_eval.parse_args([]).early_stop == [None]
-    assert math_eval.parse_early_stop(["off", "decided", "2"]) == [None, True, 2.0]
+    assert math_eval.parse_early_stop(["off", "decided", "2", "on", "predictive:0.1", "window:5",
+                                       "margin:4", "beta"]) == [
+        None, StopRule(kind="decided"), StopRule(kind="margin", margin=2, min_samples=1),
+        StopRule(), StopRule(error=0.1), StopRule(kind="window", window=5),
+        StopRule(kind="margin", margin=4), StopRule(kind="beta")]
+    assert math_eval.parse_waves(None) == ["auto"]
+    assert math_eval.parse_waves(["auto", "all", "1,2,4,rest", "4"]) == [
+        "auto", ("rest",), (1, 2, 4, "rest"), (4,)]
+
+
+def test_configs_pair_plain_and_adaptive_runs():
+    args = math_eval.parse_args(["--n", "16", "--early-stop", "off", "on"])
+    assert [(n, s, r) for n, s, r in args.configs] == [
+        (16, Schedule(waves=("rest",)), None), (16, Schedule(), StopRule())]
+    args = math_eval.parse_args(["--n", "8", "16", "--waves", "auto", "2,rest", "--early-stop",
+                                 "off", "decided", "--check", "path", "--capacity", "64"])
+    got = [(n, s.describe(), s.capacity, math_eval.early_stop_label(r)) for n, s, r in args.configs]
+    assert got == [(n, w, 64, e) for n in (8, 16) for w, e in (
+        ("all", "off"), ("4,4,rest+path-check", "decided"), ("2,rest", "off"),
+        ("2,rest+path-check", "decided"))]
+    # all at once can only stop with per-path checks; the useless combination is skipped
+    args = math_eval.parse_args(["--waves", "all", "4,rest", "--early-stop", "on"])
+    assert [s.describe() for _, s, _ in args.configs] == ["4,rest"]
 
 
 def test_spec_configs(small_jsonl):
@@ -267,26 +305,76 @@ def test_score_pass1_and_majority():
     assert acc["per_problem"][0]["correct"] and not acc["per_problem"][1]["correct"]
 
 
+def problem(i, answer, answers=None, gold="1"):
+    answers = answers if answers is not None else [answer]
+    return dict(id=str(i), gold=gold, answer=answer, answers=answers,
+                sample_tokens=[10] * len(answers))
+
+
 def make_rows():
-    base = dict(scouts=0, early_stop="off", problems=2, pass_at_1=0.5, maj_at_n=0.5,
-                mean_acceptance_length=None, drafted_tokens=0, accepted_tokens=0, est_tokens_saved=0)
-    return [dict(base, method="none", n=4, tokens=100, wall_time_s=10.0, tokens_per_s=10.0),
+    base = dict(waves="all", early_stop="off", problems=2, pass_at_1=0.5, maj_at_n=0.5,
+                mean_acceptance_length=None, drafted_tokens=0, accepted_tokens=0, est_tokens_saved=0,
+                _stop_rule=None, wave_sizes=[4], check="wave")
+    plain_pp = [problem(0, "1", ["1", "1", "1", "2"]), problem(1, "2", ["2", "3", "2", "3"])]
+    adaptive = dict(base, waves="2,rest", early_stop="decided", _stop_rule=StopRule(kind="decided"),
+                    wave_sizes=[2, 2], method="consensus", n=4, tokens=60, wall_time_s=3.0,
+                    tokens_per_s=20.0, per_problem=[problem(0, "1.0"), problem(1, "3")])
+    return [dict(base, method="none", n=4, tokens=100, wall_time_s=10.0, tokens_per_s=10.0,
+                 per_problem=plain_pp),
             dict(base, method="consensus", n=4, tokens=120, wall_time_s=6.0, tokens_per_s=20.0,
-                 mean_acceptance_length=2.5, drafted_tokens=80, accepted_tokens=30),
-            dict(base, method="consensus", n=8, tokens=200, wall_time_s=8.0, tokens_per_s=25.0)]
+                 mean_acceptance_length=2.5, drafted_tokens=80, accepted_tokens=30,
+                 per_problem=[problem(0, "1"), problem(1, "3")]),
+            adaptive,
+            dict(base, method="consensus", n=8, tokens=200, wall_time_s=8.0, tokens_per_s=25.0,
+                 per_problem=plain_pp)]
 
 
-def test_speedups_table_and_plot(tmp_path):
+def test_comparisons_table_and_plots(tmp_path):
     rows = make_rows()
-    math_eval.add_speedups(rows)
-    assert rows[0]["speedup"] == 1.0
-    assert rows[1]["speedup"] == pytest.approx(2.0) and rows[1]["wall_speedup"] == pytest.approx(10 / 6)
-    assert rows[2]["speedup"] is None  # no `none` run at n=8
-    table = math_eval.markdown(rows)
-    assert table.count("\n") == 4 and "| consensus | 4 |" in table and "2.50" in table
+    math_report.add_comparisons(rows)
+    none, cons, adaptive, cons8 = rows
+    assert none["speedup"] == 1.0 and none["wall_speedup"] == 1.0
+    assert cons["speedup"] == pytest.approx(2.0) and cons["wall_speedup"] == pytest.approx(10 / 6)
+    assert adaptive["speedup"] is None  # no `none` run with these waves and rule
+    assert adaptive["wall_speedup"] == pytest.approx(10 / 3)  # vs plain none
+    assert adaptive["tokens_vs_plain"] == pytest.approx(60 / 120)  # vs plain consensus
+    # "1.0" equals "1" (math-verify); "3" vs "3": both agree with plain consensus
+    assert adaptive["agreement"] == 1.0 and cons["agreement"] is None
+    # replayed on plain consensus: problem 0 ["1"], problem 1 ["3"]: one sample each, nothing to stop
+    assert adaptive["replay_agreement"] == 1.0 and adaptive["replay_tokens"] == 1.0
+    assert cons8["speedup"] is None and cons8["wall_speedup"] is None  # no plain none at n=8
+    assert math_report.noise_floor(rows) == [("none", "consensus", 4, 0.5)]
+    table = math_report.markdown(rows)
+    assert table.count("\n| ") == 4 and "| consensus | 4 | 2,rest | decided |" in table
+    assert "none vs consensus (n=4) 0.500" in table
+    points = math_report.tradeoff(rows, rules=["decided", "predictive:0.2"])
+    assert {(p["method"], p["n"], p["waves"], p["rule"]) for p in points} == {
+        (m, n, "2,rest", r) for m, n in (("none", 4), ("consensus", 4), ("consensus", 8))
+        for r in ("decided", "predictive(error=0.2, min=3)")}
+    md = math_report.tradeoff_markdown(points)
+    assert md.count("\n") == len(points) + 1
     pytest.importorskip("matplotlib")
-    assert math_eval.plot(rows, str(tmp_path / "p.png"))
-    assert (tmp_path / "p.png").stat().st_size > 1000
+    assert math_report.plot(rows, str(tmp_path / "p.png"))
+    assert math_report.plot_tradeoff(rows, points, str(tmp_path / "t.png"))
+    assert (tmp_path / "p.png").stat().st_size > 1000 and (tmp_path / "t.png").stat().st_size > 1000
+
+
+def test_replay_measures_stopping_error_on_plain_samples():
+    # problem 0: unanimous -> predictive stops after the first wave of 4 (4/16 of the tokens);
+    # problem 1: 10-6 for "2", but the first wave of 4 is unanimous for "1"
+    unanimous = ["5"] * 16
+    misleading = ["1"] * 6 + ["2"] * 2 + ["2"] * 8
+    plain = dict(per_problem=[
+        dict(id="0", gold="5", answer="5", answers=unanimous, sample_tokens=[10] * 16),
+        dict(id="1", gold="2", answer="2", answers=misleading, sample_tokens=[10] * 16)],
+        maj_at_n=1.0)
+    exact = math_report.replay(plain, [4, 4, 8], StopRule(kind="decided"))
+    assert exact["agreement"] == 1.0 and exact["maj"] == 1.0
+    rep = math_report.replay(plain, [4, 4, 8], StopRule())
+    assert rep["tokens_frac"] == pytest.approx((4 + 4) / 32)
+    assert rep["agreement"] == 0.5 and rep["maj"] == 0.5  # problem 1 stopped on the wrong leader
+    per_path = math_report.replay(plain, [16], StopRule(), check="path")
+    assert per_path["tokens_frac"] <= rep["tokens_frac"]
 
 
 # ---------------------------------------------------------------------------
@@ -327,3 +415,25 @@ def test_cli_end_to_end_on_tiny_llama(tmp_path, small_jsonl, capsys, monkeypatch
     assert (tmp_path / "res" / "math.md").read_text().count("| consensus |") == 1
     assert (tmp_path / "res" / "math.png").exists()
     assert "| none |" in capsys.readouterr().out
+
+
+def test_waves_simulation_on_plain_samples(tmp_path, capsys):
+    from evals import waves_sim
+    rng = __import__("random").Random(0)
+    per_problem = []
+    for i in range(12):
+        share = 1.0 if i % 2 else 0.5
+        answers = ["7" if rng.random() < share else str(rng.randint(1, 5)) for _ in range(16)]
+        per_problem.append(dict(id=str(i), gold="7", answer="7", answers=answers,
+                                sample_tokens=[rng.randint(5, 30) for _ in range(16)]))
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"results": [dict(method="none", n=16, waves="all", early_stop="off",
+                                                 per_problem=per_problem)]}))
+    assert waves_sim.main([str(path), "--waves", "4,4,rest", "all", "--rules", "on", "decided",
+                           "--capacity", "32", "--perms", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| 4,4,rest") or line.startswith("| all")]
+    assert len(rows) == 4
+    # all at once never stops: exactly the baseline; waves + predictive saves tokens
+    assert rows[2].split("|")[3].strip() == "100.0"
+    assert float(rows[0].split("|")[3]) < 100.0

@@ -11,14 +11,18 @@ import pytest
 
 pytest.importorskip("math_verify")
 
+from consensus_spec.scheduling import resolve_stop_rule  # noqa: E402
+from consensus_spec.scheduling import should_stop as old_should_stop  # noqa: E402
 from consensus_spec.self_consistency import (  # noqa: E402
-    PathPlanner,
+    Schedule,
     SpecDecodeStats,
+    StopRule,
+    Voting,
+    _from_legacy,
     _render_prompt,
     _tokens_saved,
     read_spec_counters,
     run_paths,
-    should_stop,
     spec_stats_delta,
 )
 from consensus_spec.voting import majority_vote  # noqa: E402
@@ -137,7 +141,8 @@ def test_weighted_vote_uses_mean_logprobs():
     table = [[("1", 2), ("1", 2), ("9", 2)]]
     confident = lambda p, k: -0.01 if k == 2 else -2.0  # noqa: E731
     engine = FakeEngine(script_from(table))
-    (r,) = run_paths(engine, ["q"], params_factory(logprob=confident), n=3, weighted=True)
+    (r,) = run_paths(engine, ["q"], params_factory(logprob=confident), n=3,
+                     voting=Voting(weighted=True))
     assert r.answer == "9"
     assert r.weights == pytest.approx([math.exp(-2.0), math.exp(-2.0), math.exp(-0.01)])
     (plain,) = run_paths(FakeEngine(script_from(table)), ["q"], params_factory(), n=3)
@@ -166,7 +171,7 @@ def test_error_mid_run_leaves_engine_idle():
         raise KeyError("boom")
 
     with pytest.raises(KeyError):
-        run_paths(engine, ["q"], params_factory(), n=3, extract=extract)
+        run_paths(engine, ["q"], params_factory(), n=3, voting=Voting(extract=extract))
     assert not engine.has_unfinished_requests()
     assert {rid for kind, rid in engine.log if kind == "abort"} == {
         rid for kind, rid in engine.log if kind == "add"} - {
@@ -185,74 +190,154 @@ def test_prompt_rendering():
 
 
 # ---------------------------------------------------------------------------
-# Scouts and admission
+# Waves, stopping and batch fill in the engine loop (planner alone: test_waves.py)
 # ---------------------------------------------------------------------------
 
 
-def test_planner_scouts_then_followups_pipelined():
-    plan = PathPlanner(3, n=4, scouts=2, capacity=4)
-    assert plan.admit() == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert plan.admit() == []  # full
-    # one of problem 0's scouts finishes: room for problem 2's scouts
-    assert plan.on_finish(0, 0, "a") == ([(2, 0), (2, 1)], [])
-    # problem 0's last scout: its follow-ups go out even though we are full
-    assert plan.on_finish(0, 1, "a") == ([(0, 2), (0, 3)], [])
-    assert plan.on_finish(1, 1, "b") == ([], [])  # scout 0 of problem 1 still running
-    assert plan.on_finish(1, 0, "b") == ([(1, 2), (1, 3)], [])
-    for p, k in [(0, 2), (0, 3), (1, 2), (1, 3), (2, 0)]:
-        assert plan.on_finish(p, k, "x") == ([], [])
-    assert not plan.all_done
-    assert plan.on_finish(2, 1, "x") == ([(2, 2), (2, 3)], [])
-    plan.on_finish(2, 2, "x")
-    plan.on_finish(2, 3, "x")
-    assert plan.all_done and plan.num_inflight == 0
+def finishes(engine):
+    return [tuple(int(x) for x in rid.split("-")[1:]) for kind, rid in engine.log if kind == "finish"]
 
 
-def test_planner_without_scouts_or_capacity_submits_everything():
-    plan = PathPlanner(2, n=3)
-    assert plan.admit() == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
-    assert PathPlanner(1, n=3, scouts=3).admit() == [(0, 0), (0, 1), (0, 2)]
+def aborts(engine):
+    return {tuple(int(x) for x in rid.split("-")[1:]) for kind, rid in engine.log if kind == "abort"}
 
 
-@pytest.mark.parametrize("kwargs", [dict(n=0), dict(n=2, scouts=3), dict(n=2, scouts=-1)])
-def test_planner_rejects_bad_args(kwargs):
-    with pytest.raises(ValueError):
-        PathPlanner(1, **kwargs)
-
-
-def test_scouts_run_before_followups_in_the_engine():
-    table = [[("1", 2 + k) for k in range(4)] for _ in range(3)]
-    engine = FakeEngine(script_from(table))
-    res = run_paths(engine, ["a", "b", "c"], params_factory(), n=4, scouts=1, capacity=2)
-    order = adds(engine)
-    assert order[:2] == [(0, 0), (1, 0)]  # capacity 2: two problems' scouts
-    finished = [tuple(int(x) for x in rid.split("-")[1:]) for kind, rid in engine.log if kind == "finish"]
+def test_waves_run_in_order_and_pipeline_across_problems():
+    # 3 problems, 8 paths each in waves 2, 2, rest; path k is 2 + k chunks long
+    table = [[(str(p), 2 + k) for k in range(8)] for p in range(3)]
+    engine = FakeEngine(script_from(table), slots=4)
+    res = run_paths(engine, ["a", "b", "c"], params_factory(), n=8,
+                    schedule=Schedule(waves=(2, 2, "rest"), capacity=4))
+    order, done = adds(engine), finishes(engine)
     for p in range(3):
-        scout_done = engine.log.index(("finish", next(r for r in engine.reqs if r.endswith(f"-{p}-0"))))
-        followups = [i for i, (kind, rid) in enumerate(engine.log)
-                     if kind == "add" and rid.split("-")[2] != "0" and rid.split("-")[1] == str(p)]
-        assert followups and min(followups) > scout_done
-    # problem 0's follow-ups are submitted before problem 2 is admitted
-    assert order.index((0, 1)) < order.index((2, 0))
-    assert sorted(finished) == [(p, k) for p in range(3) for k in range(4)]
-    assert all(r.answer == "1" and len(r.samples) == 4 for r in res)
+        mine = [k for q, k in order if q == p]
+        assert mine == list(range(8))  # paths go out in wave order
+        # wave w+1 of p is submitted only after all of wave w finished
+        log_pos = {tuple(int(x) for x in rid.split("-")[1:]): i for i, (kind, rid)
+                   in enumerate(engine.log) if kind == "add"}
+        fin_pos = {tuple(int(x) for x in rid.split("-")[1:]): i for i, (kind, rid)
+                   in enumerate(engine.log) if kind == "finish"}
+        assert log_pos[(p, 2)] > max(fin_pos[(p, 0)], fin_pos[(p, 1)])
+        assert log_pos[(p, 4)] > max(fin_pos[(p, 2)], fin_pos[(p, 3)])
+    # while problem 0 waits for its first wave, problems 1 and 2 are admitted
+    assert order.index((1, 0)) < order.index((0, 2)) and order.index((2, 0)) < order.index((0, 4))
+    assert sorted(done) == [(p, k) for p in range(3) for k in range(8)]
+    assert all(r.answer == str(r.index) and len(r.samples) == 8 and r.waves == 3 for r in res)
+    assert res.engine_steps > 0 and 0 < res.batch_fill <= 1
 
 
-# ---------------------------------------------------------------------------
-# Early stop
-# ---------------------------------------------------------------------------
+def test_batch_fill_is_mean_inflight_over_capacity():
+    # one problem, 4 paths at once; path k finishes at engine step k + 2
+    table = [[("1", k + 1) for k in range(4)]]
+    engine = FakeEngine(script_from(table))
+    run = run_paths(engine, ["q"], params_factory(), n=4, schedule=Schedule(waves=("rest",), capacity=8))
+    # in flight per step: 4, 4, 3, 2, 1
+    assert run.engine_steps == 5
+    assert run.mean_inflight == pytest.approx(14 / 5)
+    assert run.batch_fill == pytest.approx(14 / 5 / 8)
+    unbounded = run_paths(FakeEngine(script_from(table)), ["q"], params_factory(), n=4)
+    assert unbounded.batch_fill is None and unbounded.mean_inflight == pytest.approx(14 / 5)
 
 
-def test_should_stop_rule():
-    v = majority_vote(["5", "5", "5", "7"])  # lead 2
-    assert should_stop(v, remaining=1)
-    assert not should_stop(v, remaining=2)  # 2 more for 7 would tie
-    assert should_stop(v, remaining=10, margin=2)
-    assert not should_stop(v, remaining=10, margin=3)
-    assert not should_stop(majority_vote([None, None]), remaining=0)
-    assert should_stop(majority_vote(["1"]), remaining=0)
-    weighted = majority_vote(["5", "7"], weights=[0.9, 0.2])
-    assert should_stop(weighted, remaining=0) and not should_stop(weighted, remaining=1)
+def test_capacity_keeps_the_batch_full_until_the_tail():
+    rng = __import__("random").Random(3)
+    table = [[(str(rng.randint(0, 1)), rng.randint(1, 9)) for _ in range(8)] for _ in range(12)]
+    engine = FakeEngine(script_from(table), slots=6)
+    seen = []
+    orig = engine.step
+
+    def step():
+        seen.append(len(engine.waiting) + len(engine.running))
+        return orig()
+
+    engine.step = step
+    run = run_paths(engine, [str(i) for i in range(12)], params_factory(), n=8,
+                    schedule=Schedule(waves=(2, 3, "rest"), capacity=6))
+    assert max(seen) == 6  # never more than capacity in flight
+    # full on every step until the last problem has been admitted and opened its last wave
+    first_short = next(i for i, x in enumerate(seen) if x < 6)
+    assert first_short > len(seen) // 2
+    assert run.batch_fill == pytest.approx(sum(seen) / len(seen) / 6)
+
+
+def test_stop_at_wave_boundary_never_aborts():
+    # problem 0 unanimous: the predictive rule stops after its first wave of 4;
+    # problem 1 split 50/50: runs all 16 paths in waves 4, 4, 8
+    table = [[("5", 2 + k % 3) for k in range(16)], [(str(k % 2), 2 + k % 3) for k in range(16)]]
+    engine = FakeEngine(script_from(table))
+    a, b = run_paths(engine, ["a", "b"], params_factory(), n=16, stop_rule=StopRule())
+    assert a.stopped_early and len(a.samples) == 4 and a.waves == 1
+    assert a.num_aborted == 12 and a.aborted_tokens == 0
+    assert a.est_tokens_saved == round(12 * sum(s.num_tokens for s in a.samples) / 4)
+    assert not any(p == 0 and k >= 4 for p, k in adds(engine))
+    assert not b.stopped_early and len(b.samples) == 16 and b.waves == 3
+    assert not aborts(engine)  # a stop at a wave boundary has nothing running
+
+
+def test_default_schedule_with_stopping_is_waves():
+    table = [[("5", 2)] * 16]
+    engine = FakeEngine(script_from(table))
+    (r,) = run_paths(engine, ["q"], params_factory(), n=16, stop_rule=StopRule())
+    assert len(r.samples) == Schedule().sizes(16)[0] and r.stopped_early
+    # without a stop rule, everything goes out at once
+    engine = FakeEngine(script_from(table))
+    run = run_paths(engine, ["q"], params_factory(), n=16)
+    assert len(adds(engine)) == 16 and run.config["schedule"] == "all"
+    assert run.config["stop_rule"] == "off"
+
+
+def test_path_check_aborts_running_paths_and_counts_their_tokens():
+    # 8 paths all answering 5 finish in path order; decided after 5 (lead 5 > 3)
+    table = [[("5", 2 + 3 * k) for k in range(8)]]
+    engine = FakeEngine(script_from(table))
+    (r,) = run_paths(engine, ["q"], params_factory(delta=True), n=8, delta=True,
+                     schedule=Schedule(waves=("rest",), check="path"),
+                     stop_rule=StopRule(kind="decided"))
+    assert r.stopped_early and len(r.samples) == 5 and r.num_aborted == 3
+    assert aborts(engine) == {(0, k) for k in range(5, 8)}
+    assert r.aborted_tokens == sum(engine.generated(0, k) for k in range(5, 8)) > 0
+    assert r.est_tokens_saved == 0  # every aborted path had run past the mean length
+    assert r.num_tokens == sum(s.num_tokens for s in r.samples) + r.aborted_tokens
+    assert not engine.has_unfinished_requests()
+
+
+def test_path_check_margin_stop_skips_unsent_paths():
+    table = [[("5", 2 + 3 * k) for k in range(8)]]
+    engine = FakeEngine(script_from(table), slots=5)
+    (r,) = run_paths(engine, ["q"], params_factory(delta=True), n=8, delta=True,
+                     schedule=Schedule(waves=("rest",), capacity=5, check="path"),
+                     stop_rule=StopRule(kind="margin", margin=2, min_samples=2))
+    # paths 0 and 1 agree: lead 2; path 5 took path 0's row, 6 and 7 were never sent
+    assert r.stopped_early and [s.path for s in r.samples] == [0, 1]
+    assert r.num_aborted == 6 and aborts(engine) == {(0, k) for k in (2, 3, 4, 5)}
+    assert not any(k >= 6 for _, k in adds(engine))
+    mean_len = (3 + 6) / 2
+    expected = sum(max(0.0, mean_len - engine.generated(0, k)) for k in range(2, 8))
+    assert r.est_tokens_saved == round(expected)
+
+
+def test_close_race_runs_every_path():
+    table = [[(str(k % 2), 2 + k) for k in range(6)]]
+    (r,) = run_paths(FakeEngine(script_from(table)), ["q"], params_factory(delta=True), n=6,
+                     delta=True, schedule=Schedule(waves=(2, "rest"), check="path"),
+                     stop_rule=StopRule(kind="decided"))
+    assert not r.stopped_early and len(r.samples) == 6 and r.num_aborted == 0
+    assert r.est_tokens_saved == 0 and r.answer == "0"
+
+
+def test_on_problem_done_called_once_per_problem_when_complete():
+    table = [[("5", 2 + k) for k in range(8)], [(str(k % 2), 3 + k) for k in range(8)]]
+    engine = FakeEngine(script_from(table), slots=3)
+    done = []
+
+    def record(p):
+        done.append(p)
+        assert any(q == p for q, _ in finishes(engine))  # only after some path of p finished
+
+    res = run_paths(engine, ["a", "b"], params_factory(), n=8, stop_rule=StopRule(),
+                    schedule=Schedule(waves=(4, "rest"), capacity=3), on_problem_done=record)
+    assert sorted(done) == [0, 1] and len(done) == 2
+    assert res[0].stopped_early and not res[1].stopped_early
 
 
 def test_tokens_saved_estimate():
@@ -261,89 +346,79 @@ def test_tokens_saved_estimate():
     assert _tokens_saved([4], [9], max_tokens=50) == 0
 
 
-def test_early_stop_when_decided():
-    # 8 paths all answering 5; lengths make paths finish in path order
-    table = [[("5", 2 + 3 * k) for k in range(8)]]
-    engine = FakeEngine(script_from(table))
-    (r,) = run_paths(engine, ["q"], params_factory(delta=True), n=8, early_stop=True, delta=True)
-    # after 5 agreeing votes the lead (5) exceeds the 3 remaining paths
-    assert r.stopped_early and len(r.samples) == 5 and r.num_aborted == 3
-    assert r.answer == "5" and r.agreement == 1.0
-    aborted = [(0, k) for k in range(5, 8)]
-    assert {tuple(int(x) for x in rid.split("-")[1:]) for kind, rid in engine.log if kind == "abort"} == set(aborted)
-    assert r.aborted_tokens == sum(engine.generated(*pk) for pk in aborted)
-    # every aborted path had already run past the mean finished length
-    assert r.est_tokens_saved == 0
-    assert r.num_tokens == sum(s.num_tokens for s in r.samples) + r.aborted_tokens
+def test_old_exact_rule_kept_for_reference():
+    v = majority_vote(["5", "5", "5", "7"])  # lead 2
+    assert old_should_stop(v, remaining=1) and not old_should_stop(v, remaining=2)
+    assert not old_should_stop(majority_vote([None, None]), remaining=0)
+    weighted = majority_vote(["5", "7"], weights=[0.9, 0.2])
+    assert old_should_stop(weighted, remaining=0) and not old_should_stop(weighted, remaining=1)
 
 
-def test_early_stop_margin_saves_unstarted_paths():
-    table = [[("5", 2 + 3 * k) for k in range(8)]]
-    engine = FakeEngine(script_from(table), slots=5)
-    (r,) = run_paths(engine, ["q"], params_factory(delta=True), n=8, early_stop=2, delta=True)
-    # paths 0 and 1 agree -> lead 2 reaches the margin; paths 6, 7 never started
-    assert r.stopped_early and [s.path for s in r.samples] == [0, 1]
-    assert r.num_aborted == 6
-    assert engine.generated(0, 6) == engine.generated(0, 7) == 0
-    mean_len = (3 + 6) / 2
-    expected = sum(max(0.0, mean_len - engine.generated(0, k)) for k in range(2, 8))
-    assert expected > 0 and r.est_tokens_saved == round(expected)
-    assert r.aborted_tokens == sum(engine.generated(0, k) for k in range(2, 8))
+# ---------------------------------------------------------------------------
+# Configs and their validation
+# ---------------------------------------------------------------------------
 
 
-def test_on_problem_done_called_once_per_problem_when_complete():
-    # problem 0 stops early (all agree), problem 1 runs all paths
-    table = [[("5", 2 + k) for k in range(4)], [(str(k % 2), 3 + k) for k in range(4)]]
-    engine = FakeEngine(script_from(table), slots=3)
-    done = []
-
-    def record(p):
-        done.append(p)
-        samples_so_far = {k for kind, rid in engine.log if kind == "finish"
-                          for q, k in [tuple(int(x) for x in rid.split("-")[1:])] if q == p}
-        assert samples_so_far  # only after some path of p finished
-
-    res = run_paths(engine, ["a", "b"], params_factory(delta=True), n=4, early_stop=True,
-                    delta=True, capacity=3, on_problem_done=record)
-    assert sorted(done) == [0, 1] and len(done) == 2
-    assert res[0].stopped_early and not res[1].stopped_early
+def test_resolve_stop_rule():
+    assert resolve_stop_rule(None) is None and resolve_stop_rule(False) is None
+    assert resolve_stop_rule(True) == StopRule()
+    assert resolve_stop_rule("decided") == StopRule(kind="decided")
+    rule = StopRule(kind="beta", error=0.1)
+    assert resolve_stop_rule(rule) is rule
+    assert resolve_stop_rule(3) == StopRule(kind="margin", margin=3, min_samples=1)
+    assert resolve_stop_rule(2.5).margin == 3
 
 
-def test_early_stop_not_triggered_by_a_close_race():
-    table = [[(str(k % 2), 2 + k) for k in range(6)]]
-    engine = FakeEngine(script_from(table))
-    (r,) = run_paths(engine, ["q"], params_factory(delta=True), n=6, early_stop=True, delta=True)
-    assert not r.stopped_early and len(r.samples) == 6 and r.num_aborted == 0
-    assert r.est_tokens_saved == 0 and r.answer == "0"
-
-
-def test_scouts_with_margin_stop_skip_followups():
-    table = [[("4", 3)] * 8, [("4", 3), ("5", 3), ("4", 3)] + [("4", 5)] * 5]
-    engine = FakeEngine(script_from(table))
-    res = run_paths(engine, ["a", "b"], params_factory(delta=True), n=8, scouts=3,
-                    early_stop=3, delta=True)
-    a, b = res
-    assert a.stopped_early and len(a.samples) == 3 and a.num_aborted == 5
-    assert a.aborted_tokens == 0  # nothing beyond the scouts ever ran
-    assert a.est_tokens_saved == 5 * 4
-    assert not any(p == 0 and k >= 3 for p, k in adds(engine))
-    # problem b's scouts split 2-1: follow-ups run until the lead reaches 3
-    assert b.stopped_early and b.counts["4"] - b.counts.get("5", 0) >= 3
-    assert any(p == 1 and k >= 3 for p, k in adds(engine))
-
-
-@pytest.mark.parametrize("early_stop", ["sometimes", -1, 0.0])
+@pytest.mark.parametrize("early_stop", ["sometimes", -1, 0.0, float("inf"), [1]])
 def test_bad_early_stop_values(early_stop):
-    engine = FakeEngine(lambda prompt, params: ["#### 1"])
     with pytest.raises(ValueError):
-        run_paths(engine, ["q"], params_factory(), n=2, early_stop=early_stop)
+        resolve_stop_rule(early_stop)
 
 
-def test_early_stop_rejects_softmax_weights():
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(weight_method="softmax"), None),
+    (dict(weight_method="bogus"), "weight_method"),
+    (dict(timeout_s=0), "timeout_s"),
+    (dict(timeout_s=True), "timeout_s"),
+    (dict(extract="not callable"), "extract"),
+])
+def test_voting_validation(kwargs, match):
+    if match is None:
+        assert Voting(**kwargs).weight_method == "softmax"
+    else:
+        with pytest.raises(ValueError, match=match):
+            Voting(**kwargs)
+
+
+def test_stopping_with_weighted_votes_is_refused():
     engine = FakeEngine(lambda prompt, params: ["#### 1"])
-    with pytest.raises(ValueError):
-        run_paths(engine, ["q"], params_factory(), n=2, early_stop=True, weighted=True,
-                  weight_method="softmax")
+    with pytest.raises(ValueError, match="unweighted"):
+        run_paths(engine, ["q"], params_factory(), n=2, stop_rule=StopRule(),
+                  voting=Voting(weighted=True))
+    assert not engine.log  # refused before anything was submitted
+
+
+def test_schedule_must_be_a_schedule():
+    with pytest.raises(ValueError, match="Schedule"):
+        run_paths(FakeEngine(lambda p, q: ["x"]), ["q"], params_factory(), n=2, schedule=(2, "rest"))
+
+
+def test_legacy_keywords_map_onto_configs():
+    with pytest.warns(DeprecationWarning):
+        schedule, voting = _from_legacy(8, None, None, dict(scouts=2, capacity=5, weighted=True))
+    assert schedule == Schedule(waves=(2, "rest"), capacity=5) and voting == Voting(weighted=True)
+    with pytest.warns(DeprecationWarning):
+        assert _from_legacy(8, None, None, dict(scouts=0))[0] == Schedule(waves=("rest",))
+    with pytest.warns(DeprecationWarning):
+        assert _from_legacy(8, None, None, dict(scouts=8))[0].all_at_once
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="not both"):
+        _from_legacy(8, Schedule(), None, dict(scouts=2))
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="not both"):
+        _from_legacy(8, None, Voting(), dict(weighted=True))
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="scouts"):
+        _from_legacy(8, None, None, dict(scouts=9))
+    with pytest.raises(TypeError, match="bogus"):
+        _from_legacy(8, None, None, dict(bogus=1))
 
 
 # ---------------------------------------------------------------------------
@@ -421,10 +496,14 @@ def test_self_consistency_on_vllm(tmp_path_factory):
 
 def _check_real_engine(llm, self_consistency):
     probs = ["one plus two is", "three times four is"]
-    run = self_consistency(llm, probs, n=4, max_tokens=12, seed=1, scouts=2, early_stop=3)
-    assert len(run) == 2 and run.wall_time_s > 0
+    run = self_consistency(llm, probs, n=4, max_tokens=12, seed=1,
+                           schedule=Schedule(waves=(2, "rest")),
+                           early_stop=StopRule(kind="margin", margin=3, min_samples=1))
+    assert len(run) == 2 and run.wall_time_s > 0 and run.engine_steps > 0
+    assert run.config["schedule"] == "2,rest" and run.config["capacity"] == 8  # max_num_seqs
+    assert 0 < run.batch_fill <= 1
     for r in run:
-        assert len(r.samples) + r.num_aborted == 4
+        assert len(r.samples) + r.num_aborted == 4 and r.aborted_tokens == 0
         assert all(s.num_tokens > 0 and s.cumulative_logprob is not None for s in r.samples)
         assert all(s.cumulative_logprob <= 0 for s in r.samples)
         assert r.vote.num_votes + r.vote.num_abstained == len(r.samples)
@@ -435,10 +514,21 @@ def _check_real_engine(llm, self_consistency):
     # per-path seeds: a path's text does not depend on waves or output kind
     assert [s.text for s in plain[0].samples][:2] == [s.text for s in run[0].samples][:2]
 
-    # every path "agrees": the vote is settled after 3 of 4 and the last is aborted
-    agree = self_consistency(llm, probs, n=4, max_tokens=12, temperature=1.0,
-                             early_stop=True, extract=lambda text: "same")
+    # every path "agrees": a whole first wave of 3 decides the vote, the 4th never starts
+    same = Voting(extract=lambda text: "same")
+    agree = self_consistency(llm, probs, n=4, max_tokens=12, temperature=1.0, voting=same,
+                             early_stop="decided", schedule=Schedule(waves=(3, "rest")))
     for r in agree:
         assert r.stopped_early and r.answer == "same" and r.agreement == 1.0
-        assert len(r.samples) == 3 and r.num_aborted == 1
+        assert len(r.samples) == 3 and r.num_aborted == 1 and r.aborted_tokens == 0
+
+    # checked after every path (all at once): the 4th is aborted, its tokens counted
+    per_path = self_consistency(llm, probs, n=4, max_tokens=12, temperature=1.0, voting=same,
+                                early_stop="decided",
+                                schedule=Schedule(waves=("rest",), check="path"))
+    for r in per_path:
+        assert r.stopped_early and len(r.samples) == 3 and r.num_aborted == 1
+    with pytest.warns(DeprecationWarning):  # old keywords still work
+        legacy = self_consistency(llm, probs[:1], n=4, max_tokens=12, scouts=2, capacity=4)
+    assert legacy.config["schedule"] == "2,rest" and len(legacy[0].samples) == 4
     assert not llm.llm_engine.has_unfinished_requests()

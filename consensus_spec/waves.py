@@ -1,0 +1,234 @@
+"""Wave scheduling of self-consistency paths (pure logic, no vLLM).
+
+A problem's N paths run in *waves*: the first wave is submitted when the
+problem is admitted, each later wave once every path of the previous one has
+finished and the vote taken then did not stop the problem.  Waves of many
+problems are pipelined: while a problem waits for its wave, the free engine
+rows go to the next waves of other problems (oldest problem first) and then
+to new problems, so the batch stays full up to ``capacity`` paths in flight.
+
+:class:`Schedule` is the configuration, :class:`PathPlanner` turns finish
+events into the (problem, path) requests to submit or abort.  The engine loop
+that drives a real engine through it is :func:`consensus_spec.scheduling.run_paths`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+__all__ = ["ALL_AT_ONCE", "DEFAULT_WAVES", "REST", "PathPlanner", "Schedule"]
+
+REST = "rest"
+# Default waves: see Schedule's docstring for why.
+DEFAULT_WAVES: tuple[int | str, ...] = (4, 4, REST)
+CHECKS = ("wave", "path")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When a problem's paths run, and when its vote is checked.
+
+    ``waves``: wave sizes, e.g. ``(4, 4, "rest")``; ``"rest"`` (only last)
+    is every path not yet run; otherwise the last size repeats until N paths
+    ran (``(4,)`` is waves of 4).  ``("rest",)`` runs all N at once.
+    ``capacity``: paths in flight at most (None: unbounded;
+    :func:`~consensus_spec.self_consistency.self_consistency` fills in the
+    engine's ``max_num_seqs``).  ``check``: ``"wave"`` takes the stop vote
+    only after whole waves (statistically sound: a finished wave is a random
+    sample, while paths finishing one by one arrive shortest first), so
+    nothing of a problem is running when it stops; ``"path"`` checks after
+    every finished path and aborts the stopped problem's running paths.
+
+    Default waves ``(4, 4, "rest")``: with the default stop rule
+    (``StopRule(min_samples=3)``) a vote before 3 answers can never stop, so a
+    first wave below 3 only adds a serial round trip; checks at 4 and 8 of 16
+    stop most settled problems at a quarter or half of the tokens, and three
+    waves keep the per-problem latency (and the tail of a run) short.  Chosen
+    over (1, 2, 4, rest), (3, 4, rest), (4, rest) and (4, 4, 4, 4) by
+    ``python -m evals math --waves ...`` on the embedded model (README).
+    """
+
+    waves: tuple[int | str, ...] = DEFAULT_WAVES
+    capacity: int | None = None
+    check: str = "wave"
+
+    def __post_init__(self) -> None:
+        waves = self.waves
+        if isinstance(waves, (str, int)) or not isinstance(waves, Sequence):
+            raise ValueError(f"Schedule.waves must be a sequence of sizes, got {waves!r}")
+        waves = tuple(waves)
+        if not waves:
+            raise ValueError("Schedule.waves must not be empty")
+        for i, w in enumerate(waves):
+            if w == REST:
+                if i != len(waves) - 1:
+                    raise ValueError("Schedule.waves: 'rest' may only be the last wave")
+            elif isinstance(w, bool) or not isinstance(w, int) or w < 1:
+                raise ValueError(f"Schedule.waves: sizes must be ints >= 1 or a final 'rest', got {w!r}")
+        object.__setattr__(self, "waves", waves)
+        cap = self.capacity
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"Schedule.capacity must be None or an int >= 1, got {cap!r}")
+        if self.check not in CHECKS:
+            raise ValueError(f"Schedule.check must be one of {CHECKS}, got {self.check!r}")
+
+    @classmethod
+    def parse(cls, spec: str, **kwargs) -> "Schedule":
+        """``"4,4,rest"`` or ``"all"`` (one wave) -> Schedule (for command lines)."""
+        text = spec.strip().lower()
+        if text in ("all", REST):
+            return cls(waves=(REST,), **kwargs)
+        parts = [p.strip() for p in text.replace(" ", ",").split(",") if p.strip()]
+        waves = tuple(p if p == REST else int(p) if p.isdigit() else p for p in parts)
+        return cls(waves=waves, **kwargs)
+
+    def sizes(self, n: int) -> list[int]:
+        """Concrete wave sizes for ``n`` paths (they sum to ``n``)."""
+        out, done, i = [], 0, 0
+        while done < n:
+            w = self.waves[min(i, len(self.waves) - 1)]
+            size = n - done if w == REST else min(w, n - done)
+            out.append(size)
+            done += size
+            i += 1
+        return out
+
+    @property
+    def all_at_once(self) -> bool:
+        return self.waves == (REST,)
+
+    def describe(self) -> str:
+        """``"4,4,rest"``, ``"all"``; ``"+path-check"`` when checking every path."""
+        text = "all" if self.all_at_once else ",".join(str(w) for w in self.waves)
+        return text + ("+path-check" if self.check == "path" else "")
+
+
+ALL_AT_ONCE = Schedule(waves=(REST,))
+
+StopCheck = Callable[[int, list, int], bool]
+
+
+class _Problem:
+    __slots__ = ("sizes", "wave", "opened", "next_path", "inflight", "answers")
+
+    def __init__(self, sizes: list[int]):
+        self.sizes = sizes
+        self.wave = 0  # index of the last opened wave
+        self.opened = sizes[0]  # paths [0, opened) may be submitted
+        self.next_path = 0  # next path to submit
+        self.inflight: set[int] = set()
+        self.answers: list[Any] = []  # finished paths' answers, in finishing order
+
+
+class PathPlanner:
+    """Which (problem, path) requests to submit or abort, event by event.
+
+    Paths of a problem are numbered in wave order (wave 0 is paths
+    0..sizes[0]-1, and so on).  :meth:`admit` fills free capacity: first the
+    opened-but-unsent paths of admitted problems, oldest problem first, then
+    new problems in order (a wave may go out in parts when few rows are free;
+    it still counts as one wave).  :meth:`on_finish` records a finished path
+    and, at a wave boundary (or after every path with ``check="path"``), asks
+    ``stop_check(problem, answers_in_finishing_order, remaining)``; a stopped
+    problem opens no more waves and its running paths are returned to abort.
+    """
+
+    def __init__(self, num_problems: int, n: int, schedule: Schedule | None = None,
+                 stop_check: StopCheck | None = None):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be an int >= 1, got {n!r}")
+        if num_problems < 0:
+            raise ValueError("num_problems must be >= 0")
+        self.num_problems, self.n = num_problems, n
+        self.schedule = schedule or ALL_AT_ONCE
+        self.capacity = self.schedule.capacity
+        self.stop_check = stop_check
+        self.sizes = self.schedule.sizes(n)
+        self.problems: dict[int, _Problem] = {}
+        self.next_problem = 0
+        self.num_inflight = 0
+        self.stopped: set[int] = set()
+        self._ready: list[int] = []  # heap of admitted problems with unsent opened paths
+        self._num_done = 0
+
+    # -- events ---------------------------------------------------------------
+
+    def admit(self) -> list[tuple[int, int]]:
+        """Paths to submit now to fill the free capacity."""
+        out: list[tuple[int, int]] = []
+        while self._ready and self._free() > 0:
+            p = self._ready[0]
+            st = self.problems[p]
+            out += self._send(p, st, self._free())
+            if st.next_path == st.opened:
+                heapq.heappop(self._ready)
+        while self.next_problem < self.num_problems and self._free() > 0:
+            p = self.next_problem
+            self.next_problem += 1
+            st = self.problems[p] = _Problem(self.sizes)
+            out += self._send(p, st, self._free())
+            if st.next_path < st.opened:
+                heapq.heappush(self._ready, p)
+        return out
+
+    def on_finish(self, p: int, path: int, answer: Any) -> tuple[list, list]:
+        """Record a finished path; return (paths to submit, paths to abort)."""
+        st = self.problems.get(p)
+        if st is None or path not in st.inflight:
+            return [], []  # aborted earlier, or not ours
+        st.inflight.discard(path)
+        self.num_inflight -= 1
+        st.answers.append(answer)
+        finished = len(st.answers)
+        remaining = self.n - finished
+        wave_done = finished == st.opened
+        abort: list[tuple[int, int]] = []
+        if remaining and (wave_done or self.schedule.check == "path") and \
+                self.stop_check is not None and self.stop_check(p, list(st.answers), remaining):
+            abort = [(p, k) for k in sorted(st.inflight)]
+            self.num_inflight -= len(abort)
+            st.inflight.clear()
+            st.opened = st.next_path  # nothing more to send
+            self.stopped.add(p)
+            self._num_done += 1
+        elif wave_done and remaining:
+            st.wave += 1
+            st.opened += st.sizes[st.wave]
+            heapq.heappush(self._ready, p)
+        elif not remaining:
+            self._num_done += 1
+        return self.admit(), abort
+
+    # -- state ----------------------------------------------------------------
+
+    def done(self, p: int) -> bool:
+        """Problem ``p`` has its final vote: all paths finished or stopped."""
+        st = self.problems.get(p)
+        return st is not None and (p in self.stopped or len(st.answers) == self.n)
+
+    @property
+    def all_done(self) -> bool:
+        return self._num_done == self.num_problems
+
+    def waves_started(self, p: int) -> int:
+        """Waves of problem ``p`` opened so far (the first opens on admission)."""
+        st = self.problems.get(p)
+        return 0 if st is None else st.wave + 1
+
+    def num_unsent(self, p: int) -> int:
+        """Paths of ``p`` that were never submitted (all of them if not admitted)."""
+        st = self.problems.get(p)
+        return self.n if st is None else self.n - st.next_path
+
+    def _free(self) -> float:
+        return float("inf") if self.capacity is None else self.capacity - self.num_inflight
+
+    def _send(self, p: int, st: _Problem, room: float) -> list[tuple[int, int]]:
+        count = int(min(room, st.opened - st.next_path))
+        paths = list(range(st.next_path, st.next_path + count))
+        st.next_path += count
+        st.inflight.update(paths)
+        self.num_inflight += count
+        return [(p, k) for k in paths]

@@ -1,0 +1,97 @@
+"""``python -m evals math`` settings: ``--early-stop`` rules, ``--waves``
+schedules, and the configurations they make."""
+
+from __future__ import annotations
+
+import sys
+
+
+class UsageError(Exception):
+    """Bad command line: reported as one ``error:`` line, exit code 2."""
+
+
+RULE_PARAMS = {"predictive": ("error", float), "beta": ("error", float),
+               "window": ("window", int), "margin": ("margin", int)}
+
+
+def parse_early_stop(values: list[str] | None) -> list:
+    """``--early-stop`` values -> list of StopRule (None: off)."""
+    from consensus_spec.scheduling import resolve_stop_rule
+    from consensus_spec.stopping import KINDS, StopRule
+
+    if values is None:
+        return [None]
+    if not values:  # bare flag
+        return [StopRule()]
+    out = []
+    for v in values:
+        text = v.strip().lower()
+        kind, _, value = text.partition(":")
+        try:
+            if text in ("off", "none", "no", "false"):
+                out.append(None)
+            elif text in ("on", "true", "yes", "default"):
+                out.append(StopRule())
+            elif kind in KINDS and (not value or kind in RULE_PARAMS):
+                rule = StopRule(kind=kind)
+                if value:
+                    field, cast = RULE_PARAMS[kind]
+                    rule = rule.with_overrides(**{field: cast(value)})
+                out.append(rule)
+            else:
+                out.append(resolve_stop_rule(float(text)))  # a margin, as before
+        except ValueError as e:
+            raise UsageError(f"--early-stop expects off, on, decided, KIND[:VALUE] "
+                             f"(kinds {', '.join(KINDS)}) or a margin > 0, got {v!r}"
+                             + (f" ({e})" if "StopRule" in str(e) else ""))
+    return list(dict.fromkeys(out))
+
+
+def early_stop_label(rule) -> str:
+    return "off" if rule is None else rule.describe()
+
+
+def parse_waves(values: list[str] | None) -> list:
+    """``--waves`` values -> list of "auto" or wave tuples."""
+    from consensus_spec.waves import Schedule
+
+    out = []
+    for v in values or ["auto"]:
+        if v.strip().lower() == "auto":
+            out.append("auto")
+            continue
+        try:
+            out.append(Schedule.parse(v).waves)
+        except ValueError as e:
+            raise UsageError(f"--waves expects auto, all or sizes like 4,4,rest: {v!r} ({e})")
+    return list(dict.fromkeys(out))
+
+
+def build_configs(args) -> list[tuple]:
+    """(n, Schedule, StopRule or None) for every --n x --waves x --early-stop,
+    without duplicates; all-at-once with a whole-wave check could never stop,
+    so that combination is skipped."""
+    from consensus_spec.waves import REST, Schedule
+
+    configs, skipped = [], []
+    for n in args.n:
+        for waves in args.waves:
+            for rule in args.early_stop:
+                if waves == "auto":
+                    waves_here = Schedule().waves if rule is not None else (REST,)
+                else:
+                    waves_here = waves
+                check = args.check if rule is not None else "wave"
+                schedule = Schedule(waves=waves_here, capacity=args.capacity, check=check)
+                if rule is not None and check == "wave" and len(schedule.sizes(n)) < 2:
+                    skipped.append(f"waves {schedule.describe()} with early stop "
+                                   f"{rule.describe()} at n={n}")
+                    continue
+                if (n, schedule, rule) not in configs:
+                    configs.append((n, schedule, rule))
+    if not configs:
+        raise UsageError(f"no configuration left to run: {skipped[0]} is one wave, so whole-wave "
+                         "checks never stop (use --check path or more waves)")
+    for text in skipped:
+        print(f"note: skipping {text}: one wave, nothing to stop", file=sys.stderr)
+    return configs

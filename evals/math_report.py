@@ -1,0 +1,325 @@
+"""Comparisons, tables and plots of ``python -m evals math``.
+
+Rows are dicts made by :func:`evals.math_eval.make_row`.  A *plain* row runs
+all n paths at once without early stop (waves ``all``, early stop ``off``);
+the other rows of the same method and n are compared with it: tokens, the
+full-n answer agreement, and a replay of their stop rule on the plain run's
+own samples (the stopping error alone, without the sampling noise that two
+independent runs add).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Iterable
+
+PLAIN = ("all", "off")
+# Rules replayed for the trade-off curve (waves: the run's, or the default).
+TRADEOFF_RULES = ("decided", "predictive:0.01", "predictive:0.02", "predictive:0.05",
+                  "predictive:0.1", "predictive:0.2", "beta:0.05", "margin:3", "window:4")
+
+
+def is_plain(r: dict) -> bool:
+    return (r["waves"], r["early_stop"]) == PLAIN
+
+
+def _plain(rows: list[dict], method: str, n: int) -> dict | None:
+    return next((p for p in rows if is_plain(p) and p["method"] == method and p["n"] == n), None)
+
+
+def _same_answer(a, b) -> bool:
+    if a is None or b is None:
+        return a is b
+    if a == b:
+        return True
+    from consensus_spec.answers import answers_equal
+    return answers_equal(a, b)
+
+
+def answer_agreement(row: dict, ref: dict) -> float | None:
+    """Share of problems whose voted answer equals ``ref``'s (same problems)."""
+    pairs = list(zip(row["per_problem"], ref["per_problem"]))
+    if not pairs or any(a["id"] != b["id"] for a, b in pairs):
+        return None
+    return sum(_same_answer(a["answer"], b["answer"]) for a, b in pairs) / len(pairs)
+
+
+def add_comparisons(rows: list[dict]) -> None:
+    """Per row: ``speedup`` (tokens/s vs ``none`` at the same n, waves and
+    early stop: the drafting gain), ``wall_speedup`` (wall time of plain
+    ``none`` at the same n over this row's: the end-to-end gain),
+    ``tokens_vs_plain`` and ``agreement`` (voted answer equal to the full-n
+    answer of the plain run of the same method and n), and the replay of this
+    row's stop rule on that plain run (``replay_agreement``, ``replay_tokens``)."""
+    base = {(r["n"], r["waves"], r["early_stop"]): r for r in rows if r["method"] == "none"}
+    for r in rows:
+        b = base.get((r["n"], r["waves"], r["early_stop"]))
+        ok = b is not None and b["tokens_per_s"] and r["tokens_per_s"]
+        r["speedup"] = r["tokens_per_s"] / b["tokens_per_s"] if ok else None
+        plain_none = _plain(rows, "none", r["n"])
+        r["wall_speedup"] = (plain_none["wall_time_s"] / r["wall_time_s"]
+                             if plain_none and r["wall_time_s"] else None)
+        plain = _plain(rows, r["method"], r["n"])
+        r["tokens_vs_plain"] = r["tokens"] / plain["tokens"] if plain and plain["tokens"] else None
+        r["agreement"] = answer_agreement(r, plain) if plain is not None and r is not plain else None
+        r["replay_agreement"] = r["replay_tokens"] = None
+        if plain is not None and r.get("_stop_rule") is not None:
+            rep = replay(plain, r["wave_sizes"], r["_stop_rule"], r.get("check", "wave"))
+            r["replay_agreement"], r["replay_tokens"] = rep["agreement"], rep["tokens_frac"]
+
+
+def noise_floor(rows: list[dict]) -> list[tuple[str, str, int, float]]:
+    """Full-n answer agreement between plain runs of different methods: what
+    two independent runs of n samples agree on (the floor for ``agreement``)."""
+    plains = [r for r in rows if is_plain(r)]
+    out = []
+    for i, a in enumerate(plains):
+        for b in plains[i + 1:]:
+            if a["n"] == b["n"]:
+                value = answer_agreement(a, b)
+                if value is not None:
+                    out.append((a["method"], b["method"], a["n"], value))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Scoring a run against gold answers
+# ---------------------------------------------------------------------------
+
+
+class Grader:
+    """answers_equal against one gold answer, cached per distinct prediction."""
+
+    def __init__(self, gold: str):
+        self.gold = gold
+        self.cache: dict[str, bool] = {}
+
+    def __call__(self, answer: str | None) -> bool:
+        if answer is None:
+            return False
+        if answer not in self.cache:
+            from consensus_spec.answers import answers_equal
+            self.cache[answer] = answers_equal(answer, self.gold)
+        return self.cache[answer]
+
+
+def score(run, problems) -> dict:
+    """Accuracy figures of one self-consistency run plus per-problem detail."""
+    details, pass1, maj = [], [], []
+    for prob, res in zip(problems, run):
+        grade = Grader(prob.gold)
+        correct = sum(grade(s.answer) for s in res.samples)
+        p1 = correct / len(res.samples) if res.samples else 0.0
+        voted = grade(res.answer)
+        pass1.append(p1)
+        maj.append(voted)
+        details.append(dict(id=prob.id, gold=prob.gold, answer=res.answer, correct=voted,
+                            agreement=round(res.agreement, 4), samples=len(res.samples),
+                            samples_correct=correct, stopped_early=res.stopped_early,
+                            tokens=res.num_tokens, waves=getattr(res, "waves", None),
+                            answers=[s.answer for s in res.samples],
+                            sample_tokens=[getattr(s, "num_tokens", 0) for s in res.samples]))
+    count = max(1, len(problems))
+    return dict(pass_at_1=sum(pass1) / count, maj_at_n=sum(maj) / count, per_problem=details)
+
+
+# ---------------------------------------------------------------------------
+# Replay of a stop rule on a plain run's samples
+# ---------------------------------------------------------------------------
+
+
+def _classes(plain: dict) -> list[tuple[list, list[int], list[bool]]]:
+    """Per problem: (class ids in path order, tokens, per class: correct);
+    cached on the row (clustering calls math-verify)."""
+    cached = plain.get("_classes")
+    if cached is None:
+        from consensus_spec.answers import answers_equal
+        from consensus_spec.voting import cluster_answers
+        cached = []
+        for p in plain["per_problem"]:
+            ids = cluster_answers(p["answers"])
+            reps: dict[int, str] = {}
+            for a, i in zip(p["answers"], ids):
+                if i is not None:
+                    reps.setdefault(i, a)
+            correct = [answers_equal(reps[i], p["gold"]) for i in range(len(reps))]
+            cached.append((ids, p["sample_tokens"], correct))
+        plain["_classes"] = cached
+    return cached
+
+
+def replay(plain: dict, wave_sizes: list[int], rule, check: str = "wave") -> dict:
+    """Stop ``rule`` replayed on a plain run's samples in path order (a random
+    order: all paths ran at once), checked after the waves ``wave_sizes`` (or
+    every path with ``check="path"``).  Returns the share of tokens used,
+    agreement with the plain run's own full-n vote, and maj accuracy."""
+    from evals.stopping import prefix_tallies, replay_order
+
+    used_tok = full_tok = agree = correct = 0
+    problems = _classes(plain)
+    for ids, tokens, right in problems:
+        n = len(ids)
+        if check == "path":
+            checks = list(range(1, n))
+        else:
+            checks, done = [], 0
+            for size in wave_sizes:
+                done += size
+                if done < n:
+                    checks.append(done)
+        _, tok, stopped, full = replay_order(ids, tokens, rule, checks, prefix_tallies(ids))
+        used_tok += tok
+        full_tok += sum(tokens)
+        agree += stopped == full
+        correct += stopped is not None and right[stopped]
+    count = max(1, len(problems))
+    return dict(tokens_frac=used_tok / full_tok if full_tok else None, agreement=agree / count,
+                maj=correct / count)
+
+
+def tradeoff(rows: list[dict], rules: Iterable[str] = TRADEOFF_RULES) -> list[dict]:
+    """Replay ``rules`` x the waves of this run (default waves if none) on
+    every plain row: the tokens-vs-agreement curve."""
+    from consensus_spec.waves import Schedule
+
+    from .math_configs import parse_early_stop
+
+    waves = {r["waves"] for r in rows if not is_plain(r) and r["waves"] != "all"} or {"default"}
+    out = []
+    for plain in (r for r in rows if is_plain(r)):
+        for w in sorted(waves):
+            schedule = Schedule() if w == "default" else Schedule.parse(w.split("+")[0])
+            sizes = schedule.sizes(plain["n"])
+            for spec in rules:
+                (rule,) = parse_early_stop([spec])
+                rep = replay(plain, sizes, rule)
+                out.append(dict(method=plain["method"], n=plain["n"], waves=schedule.describe(),
+                                rule=rule.describe(), **rep, maj_full=plain["maj_at_n"]))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Tables and plots
+# ---------------------------------------------------------------------------
+
+
+def _f(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ("| method | n | waves | early stop | pass@1 | maj@n | agree w/ plain full-n | "
+            "replay agree | tokens | tokens vs plain | samples/problem | stopped | tok/s | wall s | "
+            "speedup (tok/s) | wall speedup vs plain none | batch fill | accept len | drafted | "
+            "accepted |")
+    lines = [head, "|" + "---|" * 20]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {r['n']} | {r['waves']} | {r['early_stop']} | "
+            f"{r['pass_at_1']:.3f} | {r['maj_at_n']:.3f} | {_f(r.get('agreement'), '.3f')} | "
+            f"{_f(r.get('replay_agreement'), '.3f')} | {r['tokens']} | "
+            f"{_f(r.get('tokens_vs_plain'), '.3f')} | {_f(r.get('samples_per_problem'), '.2f')} | "
+            f"{r.get('stopped_early', 0)} | {_f(r['tokens_per_s'], '.1f')} | {r['wall_time_s']:.1f} | "
+            f"{_f(r.get('speedup'), '.2f')} | {_f(r.get('wall_speedup'), '.2f')} | "
+            f"{_f(r.get('batch_fill'), '.3f')} | {_f(r['mean_acceptance_length'], '.2f')} | "
+            f"{r['drafted_tokens']} | {r['accepted_tokens']} |")
+    floor = noise_floor(rows)
+    if floor:
+        lines += ["", "Full-n answer agreement between plain runs (two independent samples; the "
+                  "floor for 'agree w/ plain full-n'): " + ", ".join(
+                      f"{a} vs {b} (n={n}) {v:.3f}" for a, b, n, v in floor)]
+    return "\n".join(lines)
+
+
+def tradeoff_markdown(points: list[dict]) -> str:
+    lines = ["| plain run | n | waves | rule (replayed) | tokens % of plain | agree % w/ full-n | "
+             "maj@n stopped / full |", "|---|---|---|---|---|---|---|"]
+    for p in points:
+        lines.append(f"| {p['method']} | {p['n']} | {p['waves']} | {p['rule']} | "
+                     f"{100 * p['tokens_frac']:.1f} | {100 * p['agreement']:.1f} | "
+                     f"{p['maj']:.3f} / {p['maj_full']:.3f} |")
+    return "\n".join(lines)
+
+
+def _pyplot():
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return None, None
+    return matplotlib, plt
+
+
+def plot(rows: list[dict], path: str) -> bool:
+    """Speedup and accuracy against n, one line per method/waves/early stop."""
+    matplotlib, plt = _pyplot()
+    if plt is None:
+        return False
+    series: dict[str, list[dict]] = {}
+    for r in rows:
+        label = r["method"] + ("" if is_plain(r) else f" waves={r['waves']} es={r['early_stop']}")
+        series.setdefault(label, []).append(r)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label, rs in series.items():
+        rs = sorted(rs, key=lambda r: r["n"])
+        ns = [r["n"] for r in rs]
+        sp = [r.get("wall_speedup") for r in rs]
+        if any(s is not None for s in sp):
+            ax1.plot(ns, [float("nan") if s is None else s for s in sp], "o-", label=label)
+        line, = ax2.plot(ns, [r["maj_at_n"] for r in rs], "o-", label=f"{label} maj@n")
+        ax2.plot(ns, [r["pass_at_1"] for r in rs], "x--", color=line.get_color(), alpha=0.6,
+                 label=f"{label} pass@1")
+    for ax in (ax1, ax2):
+        ax.set_xlabel("n (samples per problem)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["n"] for r in rows}))
+        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.grid(alpha=0.3)
+    ax1.set_ylabel("wall-time speedup vs plain none")
+    ax1.axhline(1.0, color="gray", lw=0.8)
+    ax1.set_title("end-to-end speedup")
+    ax2.set_ylabel("accuracy")
+    ax2.set_ylim(-0.02, 1.02)
+    ax2.set_title("accuracy")
+    for ax in (ax1, ax2):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def plot_tradeoff(rows: list[dict], points: list[dict], path: str) -> bool:
+    """Tokens (share of the plain run) against agreement with its full-n answer:
+    replayed rules as curves, measured runs as large markers."""
+    _, plt = _pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.6))
+    curves: dict[tuple, list[dict]] = {}
+    for p in points:
+        curves.setdefault((p["method"], p["n"], p["waves"]), []).append(p)
+    for (method, n, waves), ps in curves.items():
+        ps = sorted(ps, key=lambda p: p["tokens_frac"])
+        ax.plot([100 * p["tokens_frac"] for p in ps], [100 * p["agreement"] for p in ps], ".-",
+                alpha=0.7, label=f"replay on plain {method} n={n}, waves {waves}")
+    for r in rows:
+        if is_plain(r) or r.get("tokens_vs_plain") is None or r.get("agreement") is None:
+            continue
+        ax.plot(100 * r["tokens_vs_plain"], 100 * r["agreement"], "o", ms=9,
+                label=f"measured {r['method']} waves={r['waves']} es={r['early_stop']}")
+    for a, b, n, v in noise_floor(rows):
+        ax.axhline(100 * v, color="gray", ls=":", lw=1,
+                   label=f"plain {a} vs plain {b} (n={n})")
+    ax.set_xlabel("tokens, % of plain self-consistency (same method)")
+    ax.set_ylabel("% problems agreeing with the full-n answer")
+    ax.set_title("adaptive stopping: tokens vs agreement")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

@@ -1,0 +1,151 @@
+"""Simulate wave schedules and stop rules on a plain run's samples.
+
+    python -m evals.waves_sim RESULTS.json [--waves 4,4,rest 1,2,4,rest ...]
+                              [--rules on decided ...] [--capacity 256] [--perms 5]
+
+Takes the plain rows (all n at once, no early stop) of a ``python -m evals
+math`` JSON, and for each wave schedule x stop rule drives the real
+:class:`~consensus_spec.waves.PathPlanner` over those samples, one token per
+path per engine step, with the CPU step-cost model of the embedded model
+(``budget.COST_MODELS["cpu_embedded"]``: a step of B rows costs about
+2.5 ms + 0.1 ms x B).  Reports tokens, estimated wall time and engine steps
+relative to all-at-once, batch fill, agreement with the plain run's full-n
+answer and maj@n.  Samples are assigned to paths in ``--perms`` random
+orders (path order 0 is the recorded one).  This is how the default waves
+were chosen (see :class:`consensus_spec.waves.Schedule`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+
+
+def simulate(problems, schedule, rule, cost) -> dict:
+    """problems: list of (class ids, tokens, correct-per-class, full winner)."""
+    from consensus_spec.stopping import should_stop_ids, tally
+    from consensus_spec.waves import PathPlanner
+
+    def check(p, answers, remaining):
+        return should_stop_ids(answers, remaining, rule)
+
+    plan = PathPlanner(len(problems), len(problems[0][0]), schedule,
+                       check if rule is not None else None)
+    running: dict[tuple[int, int], int] = {}
+    finished: dict[int, list] = {p: [] for p in range(len(problems))}
+    ms = steps = fill = tokens = 0.0
+
+    def submit(paths):
+        for p, k in paths:
+            running[(p, k)] = max(1, problems[p][1][k])
+
+    submit(plan.admit())
+    while running:
+        batch = len(running)
+        steps += 1
+        fill += batch
+        tokens += batch
+        ms += float(cost.step_ms(batch, 1))
+        for key in list(running):
+            running[key] -= 1
+        for key in [k for k, left in running.items() if left == 0]:
+            if key not in running:
+                continue
+            del running[key]
+            p, k = key
+            finished[p].append(problems[p][0][k])
+            to_submit, to_abort = plan.on_finish(p, k, problems[p][0][k])
+            for a in to_abort:
+                running.pop(a, None)
+            submit(to_submit)
+    agree = correct = 0
+    for p, (ids, _, right, full) in enumerate(problems):
+        ranked = tally(finished[p])
+        winner = ranked[0][0] if ranked else None
+        agree += winner == full
+        correct += winner is not None and right[winner]
+    cap = schedule.capacity
+    return dict(tokens=tokens, ms=ms, steps=steps, fill=fill / steps / cap if cap else None,
+                agreement=agree / len(problems), maj=correct / len(problems))
+
+
+def load(path: str):
+    from consensus_spec.answers import answers_equal
+    from consensus_spec.stopping import tally
+    from consensus_spec.voting import cluster_answers
+
+    with open(path) as f:
+        data = json.load(f)
+    out = {}
+    for row in data["results"]:
+        if (row.get("waves"), row.get("early_stop")) != ("all", "off"):
+            continue
+        problems = []
+        for pp in row["per_problem"]:
+            ids = cluster_answers(pp["answers"])
+            reps: dict[int, str] = {}
+            for a, i in zip(pp["answers"], ids):
+                if i is not None:
+                    reps.setdefault(i, a)
+            right = [answers_equal(reps[i], pp["gold"]) for i in range(len(reps))]
+            ranked = tally(ids)
+            problems.append((ids, pp["sample_tokens"], right, ranked[0][0] if ranked else None))
+        out[f"{row['method']} n={row['n']}"] = problems
+    return out
+
+
+def main(argv=None) -> int:
+    from consensus_spec.budget import COST_MODELS
+    from consensus_spec.waves import Schedule
+
+    from .math_configs import parse_early_stop
+
+    ap = argparse.ArgumentParser(prog="python -m evals.waves_sim", description=__doc__.split("\n\n")[0])
+    ap.add_argument("results", help="JSON written by python -m evals math (with a plain row)")
+    ap.add_argument("--waves", nargs="+", default=["1,2,4,rest", "2,2,4,rest", "3,4,rest", "4,rest",
+                                                    "4,4,rest", "4,2,2,rest", "4,4,4,rest", "4"])
+    ap.add_argument("--rules", nargs="+", default=["on"])
+    ap.add_argument("--capacity", type=int, default=256)
+    ap.add_argument("--perms", type=int, default=5, help="random path orders (first: recorded)")
+    args = ap.parse_args(argv)
+    cost = COST_MODELS["cpu_embedded"]
+    rules = parse_early_stop(args.rules)
+    for name, problems in load(args.results).items():
+        print(f"\n{name}: {len(problems)} problems, capacity {args.capacity}, {args.perms} orders\n")
+        print("| waves | rule | tokens % | est. wall % | steps % | batch fill | agree % (worst) | "
+              "maj@n (full-n) |\n|---|---|---|---|---|---|---|---|")
+        rng = random.Random(0)
+        orders = []
+        for r in range(args.perms):
+            perm = []
+            for ids, toks, right, full in problems:
+                idx = list(range(len(ids)))
+                if r:
+                    rng.shuffle(idx)
+                perm.append(([ids[i] for i in idx], [toks[i] for i in idx], right, full))
+            orders.append(perm)
+        base = [simulate(o, Schedule(waves=("rest",), capacity=args.capacity), None, cost)
+                for o in orders]
+        full_maj = base[0]["maj"]
+        for spec in args.waves:
+            schedule = Schedule.parse(spec, capacity=args.capacity)
+            for rule in rules:
+                res = [simulate(o, schedule, rule, cost) for o in orders]
+
+                def mean(key, rel=False):
+                    vals = [r[key] / b[key] if rel else r[key] for r, b in zip(res, base)]
+                    return sum(vals) / len(vals)
+
+                print(f"| {schedule.describe()} | {rule.describe()} | {100 * mean('tokens', True):.1f} | "
+                      f"{100 * mean('ms', True):.1f} | {100 * mean('steps', True):.1f} | "
+                      f"{mean('fill'):.3f} | {100 * mean('agreement'):.1f} "
+                      f"({100 * min(r['agreement'] for r in res):.1f}) | {mean('maj'):.3f} "
+                      f"({full_maj:.3f}) |")
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
