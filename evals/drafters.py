@@ -1,11 +1,42 @@
 """The drafters a replay compares, each built the way vLLM builds it and
-called through the same arguments vLLM's model runner passes it."""
+called through the same arguments vLLM's model runner passes it.
+
+Methods:
+
+- ``none``: no drafting.
+- ``ngram``, ``suffix``: vLLM's proposers. With a ``schedule`` (vLLM's
+  ``num_speculative_tokens_per_batch_size``: ``[(first_B, last_B, k), ...]``)
+  each step's k comes from vLLM's own dense lookup
+  (``build_dynamic_sd_schedule_lookup``) at the step's batch size, the
+  number of scheduled requests, as vLLM's scheduler computes
+  ``num_spec_tokens_to_schedule``; the model runner passes it to ``propose``.
+  k = 0 means no drafts at that batch size, but the proposer is still called
+  (vLLM calls it every step; suffix keeps its cache current).
+  vLLM 0.32's ``SuffixDecodingProposer.propose`` asserts that the scheduled k
+  equals ``num_speculative_tokens``, so a suffix schedule that ever asks for
+  less fails there as shipped; the replay emulates it with that assertion
+  relaxed (the proposer drafts at most the scheduled k).
+- ``suffix-budget``: vLLM's suffix proposer at full k, its drafts cut by
+  consensus_spec's batch-aware budget (``DraftBudget``) using arctic
+  inference's per-token probability estimates (cumulative along the draft),
+  calibrated online against what was accepted, as consensus does. This puts
+  suffix's drafter under this project's budget.
+- ``consensus``: this project's proposer (``custom_class``); vLLM 0.32 passes
+  custom proposers no scheduled k, so no schedule applies.
+- ``consensus-nobudget``: the same with ``cost_model=off`` (the drafter alone).
+"""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-METHODS = ("none", "ngram", "suffix", "consensus")
+import numpy as np
+
+METHODS = ("none", "ngram", "suffix", "suffix-budget", "consensus-nobudget", "consensus")
+BASELINES = ("ngram", "suffix", "suffix-budget")  # what consensus is compared against
+SCHEDULABLE = ("ngram", "suffix")  # vLLM passes these the scheduled k
+SUFFIX_DEFAULTS = dict(suffix_decoding_max_tree_depth=24, suffix_decoding_max_cached_requests=10000,
+                       suffix_decoding_max_spec_factor=1.0, suffix_decoding_min_token_prob=0.1)
 
 
 def stand_in_config(k: int, max_model_len: int, max_num_seqs: int, **spec) -> SimpleNamespace:
@@ -13,10 +44,7 @@ def stand_in_config(k: int, max_model_len: int, max_num_seqs: int, **spec) -> Si
     spec_defaults = dict(
         num_speculative_tokens=k,
         prompt_lookup_min=5, prompt_lookup_max=5,  # vLLM's ngram defaults
-        suffix_decoding_max_tree_depth=24,
-        suffix_decoding_max_cached_requests=10000,
-        suffix_decoding_max_spec_factor=1.0,
-        suffix_decoding_min_token_prob=0.1,
+        **SUFFIX_DEFAULTS,
     )
     spec_defaults.update(spec)
     return SimpleNamespace(
@@ -27,24 +55,128 @@ def stand_in_config(k: int, max_model_len: int, max_num_seqs: int, **spec) -> Si
     )
 
 
+def schedule_lookup(schedule, max_num_seqs: int, k: int) -> list[int]:
+    """vLLM's dense batch size -> k table for a ``num_speculative_tokens_per_batch_size``
+    schedule (vLLM's own function: k capped at ``num_speculative_tokens``, gaps
+    and the tail carried forward). Index 0 is unused."""
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    return build_dynamic_sd_schedule_lookup([list(e) for e in schedule], max_num_seqs, k)
+
+
+def _scheduled_k(k: int, max_num_seqs: int, schedule):
+    """``rows -> k`` for a step with ``rows`` scheduled requests."""
+    if schedule is None:
+        return lambda rows: k
+    table = schedule_lookup(schedule, max_num_seqs, k)
+    return lambda rows: table[min(max(rows, 1), len(table) - 1)]
+
+
+class BudgetedSuffix:
+    """vLLM's ``SuffixDecodingProposer`` whose drafts consensus_spec's
+    batch-aware budget cuts.
+
+    Each step: the verifier's verdict on last step's drafts is read off the
+    sampled tokens (a row that was sent n drafts and now shows m sampled
+    tokens had min(m - 1, n) accepted), calibrating the budget; the budget's
+    floor becomes suffix's ``min_token_prob`` when higher (the tree walk stops
+    where no token could pay, as consensus's drafter does); vLLM's propose
+    runs unchanged at full k; the budget then keeps the draft prefixes that
+    maximise expected tokens per unit of step time.
+    """
+
+    def __init__(self, cfg, k: int, cost_model_name: str = "h200_7b"):
+        from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
+
+        from consensus_spec.budget import DraftBudget, cost_model
+
+        self.proposer = SuffixDecodingProposer(cfg)
+        self.k = k
+        self.budget = DraftBudget(cost_model(cost_model_name))
+        self.base_min_prob = float(self.proposer.min_token_prob)
+        self.num_drafted = 0
+        self.num_accepted = 0
+        self._probs: dict = {}   # req_id -> probability estimates of this step's draft
+        self._sent: dict = {}    # req_id -> (estimates, tokens sent) of the last step
+        cache = self.proposer.suffix_cache
+        speculate = cache.speculate
+
+        def recording(req_id, *args, **kwargs):
+            draft = speculate(req_id, *args, **kwargs)
+            self._probs[req_id] = draft.probs
+            return draft
+
+        cache.speculate = recording  # instance attribute: vLLM's propose calls it per row
+
+    def __call__(self, sampled, batch) -> list[list[int]]:
+        rows = len(sampled)
+        req_ids = batch.req_ids[:rows]
+        self._observe(sampled, req_ids)
+        self.proposer.min_token_prob = max(self.base_min_prob, self.budget.floor(rows))
+        self._probs.clear()
+        drafts = self.proposer.propose(self.k, batch, sampled)
+        probs = np.zeros((rows, self.k))
+        lengths = np.zeros(rows, np.int64)
+        for i, draft in enumerate(drafts):
+            if draft:
+                n = min(len(draft), self.k)
+                probs[i, :n] = self._probs[req_ids[i]][:n]
+                lengths[i] = n
+        keep = self.budget(probs, lengths, rows).tolist()
+        self._sent = {req_ids[i]: (probs[i], n) for i, n in enumerate(keep) if n}
+        self.num_drafted += int(sum(keep))
+        return [list(d[:n]) for d, n in zip(drafts, keep)]
+
+    def _observe(self, sampled, req_ids) -> None:
+        judged = [(i, self._sent[r]) for i, r in enumerate(req_ids) if r in self._sent]
+        self._sent = {}
+        if not judged:
+            return
+        probs = np.stack([p for _, (p, _) in judged])
+        sent = np.array([n for _, (_, n) in judged], np.int64)
+        accepted = np.array([min(max(len(sampled[i]) - 1, 0), n) for i, (_, n) in judged], np.int64)
+        self.num_accepted += int(accepted.sum())
+        self.budget.observe(probs, sent, accepted)
+
+
 def make_drafter(method: str, k: int, max_model_len: int, max_num_seqs: int,
-                 consensus_options: dict | None = None):
-    """A callable ``(sampled_token_ids, batch) -> drafts`` for ``method``."""
-    cfg = stand_in_config(k, max_model_len, max_num_seqs)
+                 consensus_options: dict | None = None, schedule=None,
+                 suffix_options: dict | None = None):
+    """A callable ``(sampled_token_ids, batch) -> drafts`` for ``method``.
+
+    ``schedule``: vLLM's ``num_speculative_tokens_per_batch_size`` for ngram
+    and suffix. ``suffix_options``: ``suffix_decoding_*`` settings for suffix
+    (and suffix-budget).
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+    if schedule is not None and method not in SCHEDULABLE:
+        raise ValueError(f"vLLM applies num_speculative_tokens_per_batch_size to {SCHEDULABLE} "
+                         f"only, not to {method!r}")
+    cfg = stand_in_config(k, max_model_len, max_num_seqs, **(suffix_options or {}))
+    k_at = _scheduled_k(k, max_num_seqs, schedule)
     if method == "none":
         return lambda sampled, batch: [[] for _ in sampled]
     if method == "ngram":
         from vllm.v1.spec_decode.ngram_proposer import NgramProposer
         p = NgramProposer(cfg)
         return lambda sampled, batch: p.propose(
-            k, sampled, batch.num_tokens_no_spec, batch.token_ids_cpu)
+            k_at(len(sampled)), sampled, batch.num_tokens_no_spec, batch.token_ids_cpu)
     if method == "suffix":
         from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
         p = SuffixDecodingProposer(cfg)
-        return lambda sampled, batch: p.propose(k, batch, sampled)
-    if method == "consensus":
-        from consensus_spec import ConsensusProposer
-        p = ConsensusProposer(cfg, **(consensus_options or {}))
-        return lambda sampled, batch: p.propose(
-            sampled, batch.num_tokens_no_spec, batch.token_ids_cpu)
-    raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+
+        def suffix(sampled, batch):
+            k_step = k_at(len(sampled))
+            p.num_speculative_tokens = k_step  # relaxes vLLM's assertion (see module doc)
+            return p.propose(k_step, batch, sampled)
+        return suffix
+    if method == "suffix-budget":
+        return BudgetedSuffix(cfg, k)
+    from consensus_spec import ConsensusProposer
+    options = dict(consensus_options or {})
+    if method == "consensus-nobudget":
+        options["cost_model"] = "off"
+    p = ConsensusProposer(cfg, **options)
+    return lambda sampled, batch: p.propose(
+        sampled, batch.num_tokens_no_spec, batch.token_ids_cpu)

@@ -1,9 +1,23 @@
 """Projected decode speedup on a measured GPU step-cost table.
 
-speedup(B) = tau * T(B, 1) / (T(B, 1 + d) + c), with T interpolated linearly
-in the query length q, d the draft tokens per row-step and c the drafter's
-time per step (it runs serially between model steps in vLLM). A projection,
-not a measurement: it ignores sampler and scheduler time.
+Async-unaware (the project's original view; host time left out of both):
+
+    speedup(B) = tau * T(B, 1) / (T(B, 1 + d) + c)
+
+with T interpolated linearly in the query length q, d the draft tokens per
+row-step and c the drafter's time per step (it runs serially between model
+steps in vLLM).
+
+Async-aware: vLLM runs no drafting with async scheduling, which hides the
+host's per-step work h(B) behind the GPU step (the step takes the longer of
+the two), and switches async scheduling off for custom_class, suffix and CPU
+ngram drafters, whose steps then pay it:
+
+    speedup(B) = tau * max(T(B, 1), h(B)) / (T(B, 1 + d) + c + h(B))
+
+h(B) comes from a host-time table (``python -m evals host-time``). A
+projection, not a measurement: it ignores the sampler, and h is measured on
+another CPU than a GPU server's.
 """
 
 from __future__ import annotations
@@ -12,6 +26,16 @@ import json
 import os
 
 import numpy as np
+
+
+def _read_jsonl(path: str, what: str) -> list[dict]:
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{what} not found: {path}")
+    with open(path, encoding="utf-8") as f:
+        try:
+            return [json.loads(line) for line in f if line.strip()]
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not a JSONL {what}: {e}") from None
 
 
 class StepCosts:
@@ -26,10 +50,7 @@ class StepCosts:
 
     @classmethod
     def load(cls, path: str) -> "StepCosts":
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"step-cost table not found: {path}")
-        with open(path, encoding="utf-8") as f:
-            return cls([json.loads(line) for line in f if line.strip()])
+        return cls(_read_jsonl(path, "step-cost table"))
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -45,5 +66,74 @@ class StepCosts:
         return float(np.interp(q, qs, ms))
 
     def speedup(self, batch: int, tau: float, drafts_per_step: float, drafter_us_per_row: float) -> float:
+        """Async-unaware: host time left out of both sides."""
         c_ms = drafter_us_per_row * batch / 1000.0
         return tau * self.step_ms(batch, 1.0) / (self.step_ms(batch, 1.0 + drafts_per_step) + c_ms)
+
+    def speedup_async_aware(self, batch: int, tau: float, drafts_per_step: float,
+                            drafter_us_per_row: float, host_ms: float) -> float:
+        """No drafting with async scheduling (host time hidden behind the
+        step) against a drafting engine without it (host time serial)."""
+        c_ms = drafter_us_per_row * batch / 1000.0
+        base = max(self.step_ms(batch, 1.0), host_ms)
+        return tau * base / (self.step_ms(batch, 1.0 + drafts_per_step) + c_ms + host_ms)
+
+    def speedup_both_sync(self, batch: int, tau: float, drafts_per_step: float,
+                          drafter_us_per_row: float, host_ms: float) -> float:
+        """Both engines without async scheduling, host time counted in both."""
+        c_ms = drafter_us_per_row * batch / 1000.0
+        return (tau * (self.step_ms(batch, 1.0) + host_ms)
+                / (self.step_ms(batch, 1.0 + drafts_per_step) + c_ms + host_ms))
+
+
+class HostTime:
+    """Host-side ms per engine step by batch size, from ``{"B", "host_ms"}``
+    rows: linear in B between measured sizes, the nearest measured value
+    below the smallest, extrapolated along the last segment above the largest."""
+
+    def __init__(self, rows: list[dict]):
+        pts = sorted((int(r["B"]), float(r["host_ms"])) for r in rows)
+        if not pts:
+            raise ValueError("a host-time table needs at least one {\"B\", \"host_ms\"} row")
+        if len({b for b, _ in pts}) != len(pts):
+            raise ValueError("host-time table has repeated batch sizes")
+        if any(ms < 0 for _, ms in pts):
+            raise ValueError("host-time table has negative host_ms")
+        self.b = np.array([b for b, _ in pts], dtype=np.float64)
+        self.ms = np.array([ms for _, ms in pts], dtype=np.float64)
+        self.source = None
+
+    @classmethod
+    def load(cls, path: str) -> "HostTime":
+        rows = _read_jsonl(path, "host-time table")
+        try:
+            table = cls(rows)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{path}: rows need B and host_ms ({e})") from None
+        table.source = path
+        return table
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return [int(b) for b in self.b]
+
+    def host_ms(self, batch: int) -> float:
+        if len(self.b) > 1 and batch > self.b[-1]:
+            slope = (self.ms[-1] - self.ms[-2]) / (self.b[-1] - self.b[-2])
+            return float(max(self.ms[-1] + slope * (batch - self.b[-1]), 0.0))
+        return float(np.interp(batch, self.b, self.ms))
+
+
+def break_even_host_ms(costs: StepCosts, batch: int, tau: float, drafts_per_step: float,
+                       drafter_us_per_row: float) -> float:
+    """The host time per step up to which a drafting engine without async
+    scheduling still matches no drafting with it (async-aware speedup 1.0).
+
+    Below T(B, 1) the async-aware speedup falls as host time grows, to its
+    lowest at h = T(B, 1) (beyond, no drafting is host-bound too); so this is
+    ``tau T(B,1) - T(B,1+d) - c`` (negative: never), or infinity when even
+    h = T(B, 1) leaves drafting ahead."""
+    c_ms = drafter_us_per_row * batch / 1000.0
+    t1, td = costs.step_ms(batch, 1.0), costs.step_ms(batch, 1.0 + drafts_per_step)
+    h = tau * t1 - td - c_ms
+    return float("inf") if h >= t1 else h
