@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 
 from .answers import DEFAULT_TIMEOUT_S, extract_answer
 from .results import ProblemResult, Sample, SelfConsistencyRun, SpecDecodeStats
+from .routing import request_pinning
 from .stopping import StopRule
 from .stopping import should_stop as rule_says_stop
 from .voting import VoteResult, logprob_weights, majority_vote
@@ -224,13 +225,15 @@ def run_paths(
     accs: dict[tuple[int, int], _Accumulator] = {}  # running paths
     cancelled: dict[int, list[int]] = {i: [] for i in range(num)}  # tokens done per cancelled path
     steps = inflight_sum = 0
+    pin = request_pinning(engine)  # a DP rank per prompt where the engine takes one
 
     def submit(paths: list[tuple[int, int]]) -> None:
         for p, k in paths:
             ids[rid(p, k)] = (p, k)
             accs[(p, k)] = _Accumulator()
             prompt = render(prompts[p]) if render is not None else prompts[p]
-            engine.add_request(rid(p, k), prompt, make_params(p, k), arrival_time=time.time())
+            engine.add_request(rid(p, k), prompt, make_params(p, k), arrival_time=time.time(),
+                               **pin(prompts[p]))
 
     def abort(paths: list[tuple[int, int]]) -> None:
         if not paths:

@@ -7,7 +7,11 @@ import sys
 COMMANDS = {
     "replay": ("evals.replay_bench", "replay recorded traces through the drafters"),
     "math": ("evals.math_eval", "self-consistency math eval: accuracy and speed per drafting method"),
+    "faults": ("evals.faults", "corrupted proposer inputs on chosen replay steps: containment and tau"),
     "step-costs": ("evals.step_costs", "measure a step-cost table T(B, q) for the draft budget"),
+    "host-time": ("evals.host_time", "measure host time per engine step (what async scheduling hides)"),
+    "stopping": ("evals.stopping", "replay adaptive stopping rules on recorded traces"),
+    "dp-replay": ("evals.dp_replay", "replay traces with siblings split over data-parallel engines"),
 }
 
 
