@@ -10,8 +10,9 @@ All tries live in one compiled arena (:class:`SuffixForest`) so a step's
 appends, and its drafts, are one call each for the whole batch. Memory stays
 bounded however many paths pass: released path ids are reused, groups are
 forgotten least recently used, the cross-group trie restarts beyond a token
-budget, and once the arena holds ``max_trie_nodes`` it is emptied (live
-groups start afresh).
+budget, and once the arena holds ``max_trie_nodes`` nodes tries are evicted
+(see :meth:`ConsensusDrafter._evict`): forgotten ones first, then idle
+groups least recently used, then the cross-group trie, live groups last.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class DrafterOptions:
     prompt_tokens: int = 512        # prompt tail indexed per group
     max_group_tokens: int = 400_000  # prompt tokens of remembered groups (LRU)
     cross_group_tokens: int = 600_000  # the cross-group trie restarts beyond this
-    max_trie_nodes: int = 8_000_000  # arena size (~40 B a node) at which all tries start afresh
+    max_trie_nodes: int = 8_000_000  # arena size (~40 B a node) at which least-recently-used
+    #                                  groups are evicted (down to 3/4 of it)
     cost_model: str = "auto"        # step-cost model for the budget (see budget.py), or "off"
 
     def __post_init__(self):
@@ -62,14 +64,22 @@ class DrafterOptions:
         return cls(**options)
 
 
+# An eviction leaves at most this fraction of max_trie_nodes. Each costs a pass
+# over the arena (~0.1-0.3 s at 8M nodes), so freeing a quarter spreads it
+# over ~2M nodes of appends (~400k tokens) while keeping most of the history.
+EVICT_TO = 0.75
+
+
 class Group:
-    __slots__ = ("prompt_tail", "size", "root", "start", "arena")
+    __slots__ = ("prompt_tail", "size", "root", "start", "live", "used", "remembered")
 
     def __init__(self, prompt_tail: list[int], size: int):
         self.prompt_tail = prompt_tail
         self.size = size  # prompt tokens it holds (key and tail), for the LRU budget
-        self.arena = -1   # arena generation its nodes belong to
-        self.root = self.start = -1
+        self.root = self.start = -1  # its trie's root and prompt-tail node; -1: no trie
+        self.live = 0  # paths added and not released
+        self.used = 0  # drafter clock at its last add_path or release
+        self.remembered = True  # still found by its prompt (not forgotten by the LRU)
 
 
 def prompt_key(prompt) -> bytes:
@@ -80,7 +90,7 @@ class ConsensusDrafter:
     """Paths are integer ids; their trie positions are rows of one cursor
     array, so a step touches no per-path Python object. A cursor is
     ``UNSET`` until the path is attached to the current tries, and again
-    after the tries it points into are emptied or restarted."""
+    after the trie it points into is evicted or restarted."""
 
     def __init__(self, options: DrafterOptions | None = None):
         self.options = options or DrafterOptions()
@@ -89,9 +99,17 @@ class ConsensusDrafter:
         self._path_group: list[Group | None] = []
         self._free: list[int] = []
         self._cursor = np.zeros((0, 2), np.int64)  # path -> (node in group trie, in cross trie)
-        self.forest = None
-        self._arena = -1
-        self._new_arena()
+        self._clock = 0  # counts add_path and release calls, for LRU order
+        limit = self.options.max_trie_nodes
+        self.forest = SuffixForest(self.options.max_depth, min(1 << 16, limit), soft_capacity=limit)
+        self._owners: dict[int, Group | None] = {}  # root -> its group (None: a cross-group trie)
+        self._new_cross()
+        self.forest.root_sizes([self._cross_root])  # compile the eviction kernels now,
+        self.forest.compact([self._cross_root])     # not at the first eviction, hours in
+        self.evictions = 0       # compactions run
+        self.groups_evicted = 0  # group tries dropped (forgotten ones included)
+        self.live_groups_evicted = 0  # of those, groups with unreleased paths
+        self.nodes_evicted = 0
 
     @property
     def num_groups(self) -> int:
@@ -119,23 +137,32 @@ class ConsensusDrafter:
             while self._group_tokens > self.options.max_group_tokens and len(self._groups) > 1:
                 _, old = self._groups.popitem(last=False)
                 self._group_tokens -= old.size
+                old.remembered = False  # its trie is garbage once its paths finish
         else:
             self._groups.move_to_end(key)
         if not self._free:
             self._grow()
         path = self._free.pop()
         self._path_group[path] = group
-        self._cursor[path] = UNSET
-        self._attach(path)
+        self._use(group, +1)
+        self._build(group)
+        # a new path really continues the prompt: it starts after the prompt tail
+        self._cursor[path] = group.start, self._cross_start()
         return path
 
     def release(self, path: int) -> None:
         """Forget a finished path; its id may be reused."""
         if not 0 <= path < len(self._path_group) or self._path_group[path] is None:
             raise ValueError(f"no such path: {path}")
+        self._use(self._path_group[path], -1)
         self._path_group[path] = None
         self._cursor[path] = UNSET
         self._free.append(path)
+
+    def _use(self, group: Group, paths: int) -> None:
+        self._clock += 1
+        group.used = self._clock
+        group.live += paths
 
     def extend(self, paths, tokens: list[list[int]]) -> None:
         """Record the output tokens each path generated (one call per step)."""
@@ -185,13 +212,62 @@ class ConsensusDrafter:
         return out
 
     def _make_room(self) -> None:
-        """Empty the arena, or restart the cross-group trie, once over budget."""
+        """Evict tries, or restart the cross-group trie, once over budget."""
         if self.forest.num_nodes() > self.options.max_trie_nodes:
-            self._new_arena()
+            self._evict()
         elif self.forest.tokens_appended - self._cross_since > self.options.cross_group_tokens:
-            self._cross_root = self.forest.new_root()
-            self._cross_since = self.forest.tokens_appended
+            self._new_cross()  # the old trie is left as garbage for the next eviction
             self._cursor[self._cursor[:, 1] >= 0, 1] = UNSET
+
+    def _evict(self) -> None:
+        """Drop whole tries, in one compaction of the arena, until at most
+        ``EVICT_TO`` of ``max_trie_nodes`` nodes remain: all garbage (tries
+        of forgotten groups without live paths, restarted cross-group
+        tries), then groups without live paths, least recently used first,
+        then the cross-group trie, and only then live groups, least recently
+        used first. Evicted groups are rebuilt when next used; their paths'
+        cursors become ``UNSET`` and re-attach at the root (see _attach)."""
+        roots = list(self._owners)
+        sizes = self.forest.root_sizes(roots).tolist()
+        ranks = [self._rank(root) for root in roots]
+        left = self.forest.num_nodes()
+        target = int(EVICT_TO * self.options.max_trie_nodes)
+        gone = set()
+        for i in sorted(range(len(roots)), key=ranks.__getitem__):
+            if left <= target and ranks[i][0] > 0:
+                break
+            gone.add(roots[i])
+            left -= sizes[i]
+        self.nodes_evicted += self.forest.num_nodes() - left
+        remap = self.forest.compact([r for r in roots if r not in gone])
+        owners, self._owners = self._owners, {}
+        for root, group in owners.items():
+            if root not in gone:
+                self._owners[int(remap[root])] = group
+                if group is not None:
+                    group.root, group.start = int(remap[group.root]), int(remap[group.start])
+            elif group is not None:
+                group.root = group.start = -1
+                self.groups_evicted += 1
+                self.live_groups_evicted += group.live > 0
+        cursor = self._cursor
+        held = cursor >= 0
+        cursor[held] = remap[cursor[held]]
+        cursor[held & (cursor < 0)] = UNSET  # its trie was dropped
+        self.evictions += 1
+        if self._cross_root in gone:
+            self._new_cross()
+        else:
+            self._cross_root = int(remap[self._cross_root])
+
+    def _rank(self, root: int) -> tuple[int, int]:
+        """Eviction order: (class, last use); lowest goes first."""
+        group = self._owners[root]
+        if group is None:  # a cross-group trie: garbage unless the current one
+            return (2 if root == self._cross_root else 0), 0
+        if group.live:
+            return 3, group.used
+        return (1 if group.remembered else 0), group.used
 
     def _attached(self, paths) -> np.ndarray:
         """Checked path ids, each with a cursor into the current tries."""
@@ -212,26 +288,32 @@ class ConsensusDrafter:
         cursor[:old] = self._cursor
         self._cursor = cursor
 
-    def _new_arena(self) -> None:
-        if self.forest is None:
-            self.forest = SuffixForest(self.options.max_depth)
-        else:
-            self.forest.clear()
-        self._arena += 1
-        self._cursor[:] = UNSET
+    def _new_cross(self) -> None:
         self._cross_root, self._cross_since = self.forest.new_root(), self.forest.tokens_appended
+        self._owners[self._cross_root] = None
 
-    def _attach(self, path: int) -> None:
-        """Point the path's unset cursors (and its group) into the current tries."""
-        group = self._path_group[path]
-        if group is None:
-            raise ValueError(f"path {path} was released")
-        if group.arena != self._arena:
+    def _cross_start(self) -> int:
+        return self._cross_root if self.options.cross_group_weight > 0 else -1
+
+    def _build(self, group: Group) -> None:
+        """Give the group a trie holding its prompt tail, if it has none."""
+        if group.root < 0:
             group.root = self.forest.new_root()
             tail = np.asarray(group.prompt_tail, np.int32)
             group.start = int(self.forest.extend_many([group.root], tail, [0, len(tail)])[0])
-            group.arena = self._arena
+            self._owners[group.root] = group
+
+    def _attach(self, path: int) -> None:
+        """Point the path's unset cursors into the current tries. A cursor is
+        unset mid-path (its trie was evicted or restarted), so it restarts at
+        the trie's root with no context: appending there records only
+        n-grams of the path's own output, never the prompt followed by
+        whatever the path writes now."""
+        group = self._path_group[path]
+        if group is None:
+            raise ValueError(f"path {path} was released")
         if self._cursor[path, 0] == UNSET:
-            self._cursor[path, 0] = group.start
+            self._build(group)
+            self._cursor[path, 0] = group.root
         if self._cursor[path, 1] == UNSET:
-            self._cursor[path, 1] = self._cross_root if self.options.cross_group_weight > 0 else -1
+            self._cursor[path, 1] = self._cross_start()

@@ -12,7 +12,12 @@ child sits in its row; only later ones go to an open-addressing table of
 full): deep nodes rarely branch, so new text mostly appends rows instead of
 missing the cache on random hash slots, and the table is sized by those
 edges, not by nodes. Both grow from Python before a call that could
-overflow them, never inside one.
+overflow them, never inside one; past ``soft_capacity`` nodes the node array
+grows only by what a call needs, as the caller is expected to compact.
+
+Whole tries can be dropped (:meth:`SuffixForest.compact`): a separate int32
+array holds each node's root, so rows stay 28 bytes and drafts never read it;
+an append writes it once per new node.
 """
 
 from __future__ import annotations
@@ -88,9 +93,10 @@ def _top(nodes, node, min_depth):
 
 
 @kernel
-def _append(nodes, table, shift, state, max_depth, node, buf, row, begin, end):
+def _append(nodes, owner, table, shift, state, max_depth, node, buf, row, begin, end):
     """Append ``buf[row, begin:end]`` to the sequence at ``node``; its new node."""
     n_nodes, n_hashed = state[0], state[1]
+    root = owner[node]  # every node this creates is in node's trie
     for j in range(begin, end):
         tok = buf[row, j]
         deepest = -1
@@ -110,6 +116,7 @@ def _append(nodes, table, shift, state, max_depth, node, buf, row, begin, end):
                     nodes[c, TOK], nodes[c, DEP] = tok, nodes[n, DEP] + 1
                     nodes[c, CNT], nodes[c, TOT] = 0, 0
                     nodes[c, BEST], nodes[c, FIRST] = -1, -1
+                    owner[c] = root
                     if nodes[n, FIRST] < 0:
                         nodes[n, FIRST] = c
                     else:
@@ -153,7 +160,7 @@ def _check_ranges(n_nodes, starts, buf, rows, begins, ends):
 
 
 @kernel
-def _extend(nodes, table, shift, state, max_depth, starts, buf, rows, begins, ends):
+def _extend(nodes, owner, table, shift, state, max_depth, starts, buf, rows, begins, ends):
     """Append ``buf[rows[i], begins[i]:ends[i]]`` to each sequence ``starts[i, s]``
     (-1: none). Returns (new nodes, error or 0, tokens per sequence); on
     ``_FULL`` nothing changed and the arrays need room for that many tokens."""
@@ -170,7 +177,7 @@ def _extend(nodes, table, shift, state, max_depth, starts, buf, rows, begins, en
     for i in range(starts.shape[0]):
         for s in range(starts.shape[1]):
             if starts[i, s] >= 0:
-                out[i, s] = _append(nodes, table, shift, state, max_depth, starts[i, s],
+                out[i, s] = _append(nodes, owner, table, shift, state, max_depth, starts[i, s],
                                     buf, rows[i], begins[i], ends[i])
     return out, 0, total
 
@@ -234,7 +241,7 @@ def _draft(nodes, table, shift, n_nodes, max_depth, nodes_a, nodes_b, weight_b,
 
 
 @kernel
-def _extend_draft(nodes, table, shift, state, max_depth, cursors, ids, buf, rows, begins,
+def _extend_draft(nodes, owner, table, shift, state, max_depth, cursors, ids, buf, rows, begins,
                   ends, max_tokens, weight_b, min_prob, min_match, prior):
     m = ids.shape[0]
     k = 0
@@ -252,7 +259,8 @@ def _extend_draft(nodes, table, shift, state, max_depth, cursors, ids, buf, rows
     for i in range(m):
         starts[i] = cursors[ids[i]]
     # every row's tokens go in before any row drafts
-    out, err, total = _extend(nodes, table, shift, state, max_depth, starts, buf, rows, begins, ends)
+    out, err, total = _extend(nodes, owner, table, shift, state, max_depth, starts, buf, rows,
+                              begins, ends)
     if err:
         return toks, probs, lens, err, total
     for i in range(m):
@@ -262,6 +270,52 @@ def _extend_draft(nodes, table, shift, state, max_depth, cursors, ids, buf, rows
         lens[i] = _draft_row(nodes, table, shift, max_depth, c[0], c[1], weight_b,
                              min(max_tokens[i], k), min_prob, min_match, prior, toks[i], probs[i])
     return toks, probs, lens, 0, total
+
+
+@kernel
+def _root_sizes(owner, n_nodes, roots):
+    """Nodes in each of the tries rooted at ``roots``."""
+    index = np.full(n_nodes, -1, np.int32)
+    index[roots] = np.arange(roots.shape[0], dtype=np.int32)
+    sizes = np.zeros(roots.shape[0], np.int64)
+    for i in range(n_nodes):
+        if index[owner[i]] >= 0:
+            sizes[index[owner[i]]] += 1
+    return sizes
+
+
+@kernel
+def _compact(nodes, owner, table, state, keep):
+    """Keep the nodes whose root is marked in ``keep`` (by node id), moved
+    down in order (in place: a new id is never above the old one), with
+    their ids renumbered; returns the old -> new map (-1: dropped) and the
+    kept hashed edges, renumbered, for a cleared table. A trie's links and
+    children stay inside it, and its root comes first, so all are mapped."""
+    remap = np.empty(state[0], np.int32)
+    m = 0
+    for i in range(state[0]):
+        remap[i] = -1
+        if keep[owner[i]]:
+            remap[i] = m
+            for c in range(nodes.shape[1]):  # rows below i are already read
+                nodes[m, c] = nodes[i, c]
+            owner[m] = remap[owner[i]]
+            m += 1
+    for j in range(m):
+        for c in (BEST, LINK, FIRST):
+            if nodes[j, c] >= 0:
+                nodes[j, c] = remap[nodes[j, c]]
+    edges = np.empty((state[1], 2), np.int64)
+    e = 0
+    for s in range(table.shape[0]):
+        parent = table[s, 0] >> _TOKEN_BITS
+        if table[s, 0] >= 0 and remap[parent] >= 0:
+            tok = table[s, 0] & (_TOKEN_LIMIT - 1)
+            edges[e, 0] = (np.int64(remap[parent]) << _TOKEN_BITS) | tok
+            edges[e, 1] = remap[table[s, 1]]
+            e += 1
+    state[0], state[1] = m, e
+    return remap, edges[:e]
 
 
 def _as_buffer(buffer) -> np.ndarray:
@@ -278,15 +332,21 @@ def _new_table(size: int):
 class SuffixForest:
     """Many suffix tries (one per root) sharing arrays and a ``max_depth``."""
 
-    def __init__(self, max_depth: int = 12, capacity: int = 1 << 16):
+    def __init__(self, max_depth: int = 12, capacity: int = 1 << 16,
+                 soft_capacity: int | None = None):
+        """``soft_capacity``: node count up to which the node array grows by
+        doubling; past it, only by what a call needs (plus 1/64 of it), so an
+        owner that compacts near this size never holds twice the memory."""
         if max_depth < 1:
             raise ValueError(f"max_depth must be >= 1, got {max_depth}")
         kernel.compile()
         self.max_depth = max_depth
+        self.soft_capacity = soft_capacity
         cap = 2
         while cap < capacity:
             cap *= 2
         self._nodes = np.empty((cap, 7), np.int32)
+        self._owner = np.empty(cap, np.int32)  # node -> its trie's root
         self._table, self._shift = _new_table(max(cap // 8, 64))
         self._state = np.zeros(2, np.int64)  # nodes, hashed edges
         self.tokens_appended = 0  # per sequence, by every call, ever
@@ -298,9 +358,14 @@ class SuffixForest:
         if n + new_nodes > cap:
             while cap < n + new_nodes:
                 cap *= 2
+            soft = self.soft_capacity
+            if soft is not None and cap > soft:
+                cap = max(soft, n + new_nodes + soft // 64)
             nodes = np.empty((cap, 7), np.int32)  # the kernel writes every field of a new node
             nodes[:n] = self._nodes[:n]
-            self._nodes = nodes
+            owner = np.empty(cap, np.int32)
+            owner[:n] = self._owner[:n]
+            self._nodes, self._owner = nodes, owner
         size = len(self._table)
         if 2 * (hashed + new_nodes) > size:  # keep the table at most half full
             while 2 * (hashed + new_nodes) > size:
@@ -309,19 +374,49 @@ class SuffixForest:
             _rehash(self._table, table, shift)
             self._table, self._shift = table, shift
 
-    def clear(self) -> None:
-        """Drop every trie, keeping the arrays (memory stays at its high-water mark)."""
-        self._state[:] = 0
-        self._table.fill(-1)
-
     def num_nodes(self) -> int:
         return int(self._state[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the node arrays and the edge table."""
+        return self._nodes.nbytes + self._owner.nbytes + self._table.nbytes
+
+    def root_sizes(self, roots) -> np.ndarray:
+        """Nodes in each trie rooted at ``roots`` (what dropping it frees)."""
+        return _root_sizes(self._owner, self.num_nodes(), self._roots(roots))
+
+    def compact(self, keep_roots) -> np.ndarray:
+        """Drop every trie whose root is not in ``keep_roots``; keep the others
+        unchanged but renumbered. Returns the old -> new node id map (int32,
+        -1 for dropped nodes) to renumber ids held outside. The node array
+        keeps its capacity; the table shrinks if now over 8x its edges."""
+        keep = np.zeros(self.num_nodes(), np.bool_)
+        keep[self._roots(keep_roots)] = True
+        remap, edges = _compact(self._nodes, self._owner, self._table, self._state, keep)
+        size = len(self._table)
+        while size > 64 and 8 * len(edges) <= size:  # the half would stay <= 1/4 full
+            size //= 2
+        if size == len(self._table):
+            self._table.fill(-1)
+        else:
+            self._table, self._shift = _new_table(size)
+        _rehash(edges, self._table, self._shift)
+        return remap
+
+    def _roots(self, roots) -> np.ndarray:
+        roots = np.asarray(roots, np.int64).reshape(-1)
+        if roots.size and (roots.min() < 0 or roots.max() >= self.num_nodes()
+                           or (self._nodes[roots, DEP] != 0).any()):
+            raise ValueError("not a root of this forest")
+        return roots
 
     def new_root(self) -> int:
         """Root of a new, empty trie."""
         self._reserve(1)
         r = int(self._state[0])
         self._nodes[r] = (-1, 0, 0, 0, -1, r, -1)
+        self._owner[r] = r
         self._state[0] += 1
         return r
 
@@ -382,8 +477,8 @@ class SuffixForest:
         the arrays and running it again when it reports they are too small;
         returns (its outputs, 0 or ``_STALE``) and raises on bad input."""
         while True:
-            *out, err, total = extend_kernel(self._nodes, self._table, self._shift, self._state,
-                                             self.max_depth, *args)
+            *out, err, total = extend_kernel(self._nodes, self._owner, self._table, self._shift,
+                                             self._state, self.max_depth, *args)
             if err != _FULL:
                 break
             self._reserve(total * width * self.max_depth)
@@ -422,6 +517,10 @@ class SuffixForest:
 
     def count(self, node: int) -> int:
         return int(self._nodes[node, CNT])
+
+    def root(self, node: int) -> int:
+        """Root of the trie ``node`` belongs to."""
+        return int(self._owner[node])
 
     def child(self, node: int, token: int) -> int:
         """Child of ``node`` along ``token``, or -1."""

@@ -115,7 +115,8 @@ class _Admission:
 
 
 def replay(problems: list[Problem], drafter, method: str, k: int, max_rows: int,
-           scouts: int = 0, progress=None) -> ReplayStats:
+           scouts: int = 0, progress=None, on_step=None) -> ReplayStats:
+    """``on_step(stats)``, if given, is called after every verified step."""
     if max_rows < 1 or k < 0:
         raise ValueError("need max_rows >= 1 and k >= 0")
     max_len = max(len(p.prompt) + max(map(len, p.completions)) for p in problems) + k + 2
@@ -176,6 +177,8 @@ def replay(problems: list[Problem], drafter, method: str, k: int, max_rows: int,
                 admission.finished(row.problem)
                 if progress is not None:
                     progress.update(1)
+        if on_step is not None:
+            on_step(stats)
     return stats
 
 

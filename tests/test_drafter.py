@@ -122,8 +122,10 @@ def test_memory_stays_flat_over_ten_thousand_paths():
     peak = run_groups(1000)  # 8,000 more paths
     end, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    # at most one step's worth of nodes past the arena limit
+    # at most one step's worth of nodes past the arena limit, and arrays to match
     assert peak <= limit + 2 * 8 * 3 * 12 + 8 * 12
+    assert len(d.forest._nodes) <= limit + limit // 64 + 2 * 8 * 3 * 12 + 8 * 12
+    assert d.evictions > 10 and d.live_groups_evicted == 0  # only finished groups went
     assert d.num_groups <= 20_000 // 8
     assert d.num_paths == 0 and len(d._path_group) == 64  # released ids are reused
     # 8,000 paths' Python objects come and go; the arena is bounded numpy memory

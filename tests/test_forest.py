@@ -23,7 +23,7 @@ def batch(chunks):
 
 
 def assert_same_trie(forest, root, trie):
-    """Node-for-node: counts, totals, depths, best children and suffix links."""
+    """Node-for-node: counts, totals, depths, best children, suffix links, root."""
     kids = defaultdict(list)
     for key, c in trie._edges.items():
         kids[key >> 21].append((key & ((1 << 21) - 1), c))
@@ -42,6 +42,8 @@ def assert_same_trie(forest, root, trie):
         assert nodes[f, TOT] == trie._total[t]
         assert nodes[f, BEST] == (fmap[trie._best[t]] if trie._best[t] >= 0 else -1)
         assert nodes[f, LINK] == fmap[trie._link[t]]
+        assert forest.root(f) == root
+    assert forest.root_sizes([root]).tolist() == [len(trie)]
 
 
 def count_occurrences(seqs, sub):

@@ -1,0 +1,270 @@
+"""Long-run memory and quality check: many millions of tokens through one
+consensus proposer, as a long-lived vLLM engine would see them.
+
+    python -m evals.stream [--tokens 20000000] [--max-trie-nodes N] [--out FILE.json]
+
+The shared traces are replayed (128 rows, k=8) pass after pass through ONE
+proposer, so its tries fill up and get evicted. Each pass shuffles the
+problems (every window then mixes all trace sets alike, so tau is comparable
+across windows) and puts a pass-specific token before every prompt, so no
+pass finds an earlier pass's sibling groups. Per window of generated tokens
+it reports tau, drafter time, evictions, trie nodes, array bytes and process
+RSS, and checks that no window right after an eviction has tau more than 5%
+below the window before it. Prints a markdown table; exits 1 if the check
+fails or a drafting step failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import random
+import resource
+import sys
+import time
+
+from consensus_spec import DrafterOptions
+
+from .drafters import make_drafter
+from .replay import replay
+from .replay_bench import DEFAULT_TRACES
+from .traces import Problem, TraceError, load_problems, load_tokenizer, shared_path
+
+PASS_TOKEN = 50257  # first id past GPT-2's vocabulary: pass p's prompts start with PASS_TOKEN + p
+MAX_DROP = 0.05     # allowed tau drop after an eviction
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class Monitor:
+    """``replay``'s per-step hook: cuts the run into windows of generated tokens."""
+
+    def __init__(self, proposer, window: int):
+        self.proposer, self.window = proposer, window
+        self.base = {"tokens": 0, "row_steps": 0, "propose_s": 0.0, "propose_rows": 0}
+        self.start = dict(self.base)
+        self.windows: list[dict] = []
+        self.peak_nodes = self.peak_bytes = self.peak_capacity = 0
+        self.window_peak = 0
+        self.evict_s: list[tuple[float, float]] = []  # (wall, CPU) seconds per eviction
+        self.t0 = time.perf_counter()
+        self._last_counters = self._counters()
+        self._timed = None
+
+    def _counters(self) -> dict:
+        d = self.proposer.drafter
+        return {k: getattr(d, k) for k in ("evictions", "groups_evicted", "live_groups_evicted",
+                                            "nodes_evicted")}
+
+    def _time_evictions(self) -> None:
+        """Wrap the drafter's eviction to time each one (the drafter object
+        is rebuilt if a step ever fails, hence checked every step)."""
+        d = self.proposer.drafter
+        if self._timed is d:
+            return
+        evict = d._evict
+
+        def timed():
+            t, cpu = time.perf_counter(), time.process_time()
+            evict()
+            self.evict_s.append((time.perf_counter() - t, time.process_time() - cpu))
+        d._evict = timed
+        self._timed = d
+
+    def end_pass(self, stats) -> None:
+        for k in self.base:
+            self.base[k] += getattr(stats, k)
+
+    def __call__(self, stats) -> None:
+        self._time_evictions()
+        forest = self.proposer.drafter.forest
+        nodes = forest.num_nodes()
+        self.window_peak = max(self.window_peak, nodes)
+        self.peak_nodes = max(self.peak_nodes, nodes)
+        self.peak_bytes = max(self.peak_bytes, forest.nbytes)
+        self.peak_capacity = max(self.peak_capacity, len(forest._nodes))
+        now = {k: self.base[k] + getattr(stats, k) for k in self.base}
+        if now["tokens"] - self.start["tokens"] >= self.window:
+            self.close(now)
+
+    def close(self, now: dict) -> None:
+        if now["row_steps"] == self.start["row_steps"]:
+            return
+        partial = now["tokens"] - self.start["tokens"] < self.window  # the run's last
+        d = self.proposer.drafter
+        counters = self._counters()
+        delta = {k: counters[k] - self._last_counters[k] for k in counters}
+        diff = {k: now[k] - self.start[k] for k in now}
+        self.windows.append({
+            "window": len(self.windows), "end_tokens": now["tokens"],
+            "tau": diff["tokens"] / diff["row_steps"],
+            "us_per_row": diff["propose_s"] * 1e6 / max(diff["propose_rows"], 1),
+            **delta, "nodes": d.num_nodes(), "peak_nodes": self.window_peak,
+            "array_bytes": d.forest.nbytes, "rss_mb": rss_mb(),
+            "elapsed_s": time.perf_counter() - self.t0, "partial": partial,
+        })
+        self.start, self._last_counters, self.window_peak = now, counters, d.num_nodes()
+
+
+def check(windows: list[dict]) -> list[str]:
+    """Windows holding an eviction, and the one after each, against the window
+    before (a short last window is too noisy to judge)."""
+    failures = []
+    for w in windows[1:]:
+        if not w["evictions"]:
+            continue
+        before = windows[w["window"] - 1]["tau"]
+        for v in windows[w["window"]:w["window"] + 2]:
+            if not v["partial"] and v["tau"] < (1 - MAX_DROP) * before:
+                failures.append(f"window {v['window']}: tau {v['tau']:.3f} < {1 - MAX_DROP:.2f} x "
+                                f"{before:.3f} (window {w['window'] - 1}, before the eviction in "
+                                f"window {w['window']})")
+    return sorted(set(failures))
+
+
+def pass_problems(problems: list[Problem], p: int, seed: int) -> list[Problem]:
+    order = list(range(len(problems)))
+    random.Random(seed * 1000 + p).shuffle(order)
+    return [Problem(f"{p}:{problems[i].id}", [PASS_TOKEN + p] + problems[i].prompt,
+                    problems[i].completions) for i in order]
+
+
+def produced(problem: Problem) -> int:
+    return sum(len(c) - 1 for c in problem.completions)  # the first token comes from prefill
+
+
+def run(args) -> dict:
+    tokenizer = load_tokenizer(args.tokenizer)
+    problems: list[Problem] = []
+    for path in args.traces or [shared_path("traces", t) for t in DEFAULT_TRACES]:
+        problems += load_problems(path, tokenizer)
+    per_pass = sum(map(produced, problems))
+    max_len = max(len(p.prompt) + max(map(len, p.completions)) for p in problems) + 1 + args.k + 2
+    options = {"max_trie_nodes": args.max_trie_nodes}
+    drafter = make_drafter("consensus", args.k, max_len, args.rows, options)
+    proposer = inspect.getclosurevars(drafter).nonlocals["p"]  # the ConsensusProposer it calls
+    rss0 = rss_mb()
+    monitor = Monitor(proposer, args.window)
+    left, p = args.tokens, 0
+    print(f"{len(problems)} problems, {per_pass:,} tokens a pass; streaming {args.tokens:,} tokens "
+          f"at {args.rows} rows, k={args.k}, max_trie_nodes={args.max_trie_nodes:,}", file=sys.stderr)
+    while left > 0:
+        batch = pass_problems(problems, p, args.seed)
+        if per_pass > left:  # the last pass: just enough problems
+            n = total = 0
+            while total < left:
+                total += produced(batch[n])
+                n += 1
+            batch = batch[:n]
+        stats = replay(batch, drafter, "consensus", args.k, args.rows, on_step=monitor)
+        monitor.end_pass(stats)
+        left -= stats.tokens
+        p += 1
+        print(f"pass {p}: {stats.tokens:,} tokens, tau {stats.tau:.3f}, "
+              f"{time.perf_counter() - monitor.t0:.0f} s", file=sys.stderr)
+    monitor.close(dict(monitor.base))  # the last, partial window
+    windows = monitor.windows
+    node_limit = args.max_trie_nodes
+    failures = check(windows)
+    failed_steps = getattr(proposer, "num_failures", 0)
+    d = proposer.drafter
+    summary = {
+        "tokens": monitor.base["tokens"], "passes": p,
+        "tau": monitor.base["tokens"] / max(monitor.base["row_steps"], 1),
+        "max_trie_nodes": node_limit, "peak_nodes": monitor.peak_nodes,
+        "peak_nodes_over_limit": monitor.peak_nodes / node_limit,
+        "peak_node_capacity": monitor.peak_capacity,
+        "peak_array_bytes": monitor.peak_bytes,
+        "node_budget_bytes": node_limit * d.forest._nodes.shape[1] * 4,
+        "rss_start_mb": rss0, "rss_end_mb": rss_mb(),
+        "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "evictions": d.evictions, "groups_evicted": d.groups_evicted,
+        "live_groups_evicted": d.live_groups_evicted, "nodes_evicted": d.nodes_evicted,
+        "eviction_ms_mean": 1e3 * sum(w for w, _ in monitor.evict_s) / max(len(monitor.evict_s), 1),
+        "eviction_ms_max": 1e3 * max((w for w, _ in monitor.evict_s), default=0.0),
+        "eviction_cpu_ms_mean": 1e3 * sum(c for _, c in monitor.evict_s)
+        / max(len(monitor.evict_s), 1),
+        "failed_steps": failed_steps, "check_failures": failures,
+        "check_passed": not failures and not failed_steps,
+    }
+    return {"args": vars(args), "summary": summary, "windows": windows}
+
+
+def markdown(result: dict) -> str:
+    s = result["summary"]
+    mb = 1 << 20
+    lines = ["| window | tokens (M) | tau | drafter µs/row-step | evictions | groups evicted (live) "
+             "| nodes evicted | nodes at end | peak nodes | arrays MB | RSS MB |", "|" + "---|" * 11]
+    for w in result["windows"]:
+        lines.append(
+            f"| {w['window']}{' (partial)' if w['partial'] else ''} | {w['end_tokens'] / 1e6:.2f} | "
+            f"{w['tau']:.3f} | {w['us_per_row']:.1f} | "
+            f"{w['evictions']} | {w['groups_evicted']} ({w['live_groups_evicted']}) | "
+            f"{w['nodes_evicted']:,} | {w['nodes']:,} | {w['peak_nodes']:,} | "
+            f"{w['array_bytes'] / mb:.0f} | {w['rss_mb']:.0f} |")
+    lines += [
+        "",
+        f"- {s['tokens']:,} tokens in {s['passes']} passes, tau {s['tau']:.3f}",
+        f"- evictions: {s['evictions']} (wall mean {s['eviction_ms_mean']:.0f} ms, max "
+        f"{s['eviction_ms_max']:.0f} ms; CPU mean {s['eviction_cpu_ms_mean']:.0f} ms), "
+        f"{s['groups_evicted']:,} group tries dropped "
+        f"({s['live_groups_evicted']:,} with live paths), {s['nodes_evicted']:,} nodes",
+        f"- peak nodes {s['peak_nodes']:,} = {s['peak_nodes_over_limit']:.3f} x max_trie_nodes "
+        f"({s['max_trie_nodes']:,}); node array capacity peak {s['peak_node_capacity']:,} rows",
+        f"- arrays (nodes + table) peak {s['peak_array_bytes'] / mb:.0f} MB vs "
+        f"{s['node_budget_bytes'] / mb:.0f} MB for max_trie_nodes node rows "
+        f"({s['peak_array_bytes'] / s['node_budget_bytes']:.2f} x, "
+        f"{s['peak_array_bytes'] / s['max_trie_nodes']:.0f} B per max_trie_nodes node)",
+        f"- RSS {s['rss_start_mb']:.0f} MB before streaming, {s['rss_end_mb']:.0f} MB at the end, "
+        f"peak {s['max_rss_mb']:.0f} MB",
+        f"- check (tau within {MAX_DROP:.0%} after each eviction, no failed drafting steps): "
+        + ("passed" if s["check_passed"] else "FAILED")
+        + "".join(f"\n  - {f}" for f in s["check_failures"])
+        + (f"\n  - {s['failed_steps']} drafting steps failed" if s["failed_steps"] else ""),
+    ]
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m evals.stream", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=20_000_000, help="tokens to generate in all")
+    ap.add_argument("--max-trie-nodes", type=int, default=DrafterOptions().max_trie_nodes)
+    ap.add_argument("--window", type=int, default=1_000_000, help="tokens per reported window")
+    ap.add_argument("--rows", type=int, default=128, help="batch rows")
+    ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
+    ap.add_argument("--traces", nargs="+", help="trace files (default: the shared traces)")
+    ap.add_argument("--tokenizer", help="tokenizer.json (default: shared GPT-2)")
+    ap.add_argument("--seed", type=int, default=0, help="shuffle seed")
+    ap.add_argument("--out", help="write the figures to this JSON file")
+    args = ap.parse_args(argv)
+    if min(args.tokens, args.window, args.rows, args.k) < 1:
+        ap.error("--tokens, --window, --rows and --k must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        result = run(args)
+    except (TraceError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(markdown(result))
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.out}")
+    return 0 if result["summary"]["check_passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
