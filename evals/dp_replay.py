@@ -11,7 +11,7 @@ with ``rows / D`` batch rows (the total stays ``--rows``), under
   the front end fans the request out and ``DPLBAsyncMPClient`` routes each
   child on its own; a burst on idle engines goes exactly round-robin (its
   in-flight floor), so child c of the run goes to engine ``c mod D``;
-* ``pinned``: every child to ``consensus_spec.routing.data_parallel_rank(prompt, D)``
+* ``pinned``: every child to ``consensus_spec.sampling.routing.data_parallel_rank(prompt, D)``
   (what the ``X-data-parallel-rank`` header does on the server).
 
 ``one@rows/D`` is one engine replaying every problem with ``rows / D`` rows:
@@ -29,7 +29,7 @@ import os
 import sys
 from dataclasses import replace
 
-from consensus_spec.routing import data_parallel_rank
+from consensus_spec.sampling.routing import data_parallel_rank
 
 from .drafters import make_drafter
 from .replay import replay

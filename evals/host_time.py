@@ -122,7 +122,7 @@ def summarize(steps: list[dict], batch: int) -> dict | None:
 
 
 def prompts(n: int) -> list[str]:
-    from consensus_spec.synthetic import format_prompt, test_set
+    from consensus_spec.model.synthetic import format_prompt, test_set
     return [format_prompt(p["question"]) for p in test_set(n)]
 
 
@@ -154,7 +154,7 @@ def main(argv=None) -> int:
     install()
     from vllm import LLM
 
-    from consensus_spec.embedded import model_path
+    from consensus_spec.model import model_path
 
     model = args.model or model_path()
     llm = LLM(model=model, gpu_memory_utilization=0.25, max_num_seqs=max(args.batches),

@@ -16,8 +16,8 @@ RULE_PARAMS = {"predictive": ("error", float), "beta": ("error", float),
 
 def parse_early_stop(values: list[str] | None) -> list:
     """``--early-stop`` values -> list of StopRule (None: off)."""
-    from consensus_spec.scheduling import resolve_stop_rule
-    from consensus_spec.stopping import KINDS, StopRule
+    from consensus_spec.sampling.engine_loop import resolve_stop_rule
+    from consensus_spec.sampling.stopping import KINDS, StopRule
 
     if values is None:
         return [None]
@@ -53,7 +53,7 @@ def early_stop_label(rule) -> str:
 
 def parse_waves(values: list[str] | None) -> list:
     """``--waves`` values -> list of "auto" or wave tuples."""
-    from consensus_spec.waves import Schedule
+    from consensus_spec.sampling.waves import Schedule
 
     out = []
     for v in values or ["auto"]:
@@ -71,7 +71,7 @@ def build_configs(args) -> list[tuple]:
     """(n, Schedule, StopRule or None) for every --n x --waves x --early-stop,
     without duplicates; all-at-once with a whole-wave check could never stop,
     so that combination is skipped."""
-    from consensus_spec.waves import REST, Schedule
+    from consensus_spec.sampling.waves import REST, Schedule
 
     configs, skipped = [], []
     for n in args.n:

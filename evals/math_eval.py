@@ -3,9 +3,9 @@
     python -m evals math [--dataset gsm8k|math500|aime2024|synthetic|FILE] [--limit N]
                          [--methods none ngram suffix consensus] [--n 4 8 16] [--k 8]
                          [--early-stop [off|on|decided|predictive:0.05|...]]
-                         [--waves auto|all|4,4,rest ...] [--model DIR] [--out PREFIX]
+                         [--waves auto|all|4|1,2,4,rest ...] [--model DIR] [--out PREFIX]
 
-Each method runs :func:`consensus_spec.self_consistency` over the same
+Each method runs :func:`consensus_spec.sampling.self_consistency` over the same
 problems for every ``--n`` x ``--waves`` x ``--early-stop`` setting, each run
 on a fresh vLLM engine (built, warmed up, measured and shut down in turn;
 ``--reuse-engine`` keeps one engine per method).  ``--early-stop off on``
@@ -31,6 +31,7 @@ import sys
 import time
 
 from . import math_report
+from .cli import parse_options
 from .math_configs import (  # noqa: F401  (re-exported)
     UsageError,
     build_configs,
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "bare flag: on")
     ap.add_argument("--waves", nargs="+", metavar="SPEC",
                     help="wave sizes per problem, list ok: auto (default: all at once without "
-                         "early stop, the default waves 4,4,rest with it), all, or e.g. 1,2,4,rest")
+                         "early stop, the default waves of 4 with it), all, or e.g. 1,2,4,rest")
     ap.add_argument("--check", choices=("wave", "path"), default="wave",
                     help="take the stop vote after whole waves (default) or after every path "
                          "(aborts running paths)")
@@ -143,7 +144,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.early_stop = parse_early_stop(args.early_stop)
     args.waves = parse_waves(args.waves)
     args.configs = build_configs(args)
-    args.drafter_options = parse_options(args.option)
+    try:
+        args.drafter_options = parse_options(args.option)
+    except ValueError as e:
+        raise UsageError(str(e))
     if "consensus" in args.methods:
         from consensus_spec import speculative_config
         try:
@@ -153,22 +157,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def parse_options(pairs: list[str]) -> dict:
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise UsageError(f"--option expects KEY=VALUE, got {pair!r}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
-
-
 def resolve_model(model: str | None) -> str:
     if model is None:
-        from consensus_spec.embedded import model_path
+        from consensus_spec.model import model_path
         try:
             return model_path()
         except FileNotFoundError as e:
@@ -252,7 +243,7 @@ def run_configs(method: str, configs: list[tuple], args, problems, max_tokens: i
     """Build one engine for ``method``, run each (n, schedule, stop rule) config, free it."""
     from tqdm import tqdm
 
-    from consensus_spec.self_consistency import self_consistency
+    from consensus_spec.sampling.self_consistency import self_consistency
 
     from .datasets import MathProblem
     from .prompts import build_prompt, prompt_style

@@ -32,7 +32,7 @@ def _same_answer(a, b) -> bool:
         return a is b
     if a == b:
         return True
-    from consensus_spec.answers import answers_equal
+    from consensus_spec.voting.answers import answers_equal
     return answers_equal(a, b)
 
 
@@ -98,7 +98,7 @@ class Grader:
         if answer is None:
             return False
         if answer not in self.cache:
-            from consensus_spec.answers import answers_equal
+            from consensus_spec.voting.answers import answers_equal
             self.cache[answer] = answers_equal(answer, self.gold)
         return self.cache[answer]
 
@@ -133,8 +133,8 @@ def _classes(plain: dict) -> list[tuple[list, list[int], list[bool]]]:
     cached on the row (clustering calls math-verify)."""
     cached = plain.get("_classes")
     if cached is None:
-        from consensus_spec.answers import answers_equal
-        from consensus_spec.voting import cluster_answers
+        from consensus_spec.voting.answers import answers_equal
+        from consensus_spec.voting.vote import cluster_answers
         cached = []
         for p in plain["per_problem"]:
             ids = cluster_answers(p["answers"])
@@ -180,7 +180,7 @@ def replay(plain: dict, wave_sizes: list[int], rule, check: str = "wave") -> dic
 def tradeoff(rows: list[dict], rules: Iterable[str] = TRADEOFF_RULES) -> list[dict]:
     """Replay ``rules`` x the waves of this run (default waves if none) on
     every plain row: the tokens-vs-agreement curve."""
-    from consensus_spec.waves import Schedule
+    from consensus_spec.sampling.waves import Schedule
 
     from .math_configs import parse_early_stop
 

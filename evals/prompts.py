@@ -3,13 +3,13 @@
 GSM8K / MATH / AIME (and local files): ask for step-by-step reasoning with the
 final answer in ``\\boxed{}``; rendered with the tokenizer's chat template when
 it has one, else as plain ``Question: ...\\nAnswer:`` text.  The synthetic set
-uses :func:`consensus_spec.synthetic.format_prompt`, the embedded model's
+uses :func:`consensus_spec.model.synthetic.format_prompt`, the embedded model's
 training format.
 """
 
 from __future__ import annotations
 
-from consensus_spec.synthetic import format_prompt
+from consensus_spec.model.synthetic import format_prompt
 
 MATH_INSTRUCTION = (
     "Solve the following math problem. Reason step by step, and put your final answer "

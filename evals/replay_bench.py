@@ -35,6 +35,7 @@ import time
 
 from tqdm import tqdm
 
+from .cli import parse_options
 from .drafters import BASELINES, METHODS, SCHEDULABLE, make_drafter
 from .projection import HostTime, StepCosts, break_even_host_ms
 from .replay import replay
@@ -96,19 +97,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if min(args.sweep_k) < 0 or max(args.sweep_k) > args.k:
         ap.error(f"--sweep-k values must be in 0..--k ({args.k})")
     return args
-
-
-def parse_options(pairs: list[str]) -> dict:
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise ValueError(f"--option expects KEY=VALUE, got {pair!r}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value  # a bare string such as cost_model=off
-    return out
 
 
 # ---------------------------------------------------------------------------

@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the probe's settings live in this process
     from vllm import LLM
 
-    from consensus_spec.embedded import model_path
+    from consensus_spec.model import model_path
 
     model = args.model or model_path()
     llm = LLM(model=model, gpu_memory_utilization=0.25, max_num_seqs=max(args.batches),

@@ -24,9 +24,9 @@ import random
 import time
 from dataclasses import dataclass
 
-from consensus_spec.answers import answers_equal, extract_answer
-from consensus_spec.stopping import StopRule, should_stop_ids
-from consensus_spec.voting import cluster_answers
+from consensus_spec.voting.answers import answers_equal, extract_answer
+from consensus_spec.sampling.stopping import StopRule, should_stop_ids
+from consensus_spec.voting.vote import cluster_answers
 
 from .traces import load_tokenizer, shared_path
 

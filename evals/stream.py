@@ -183,7 +183,9 @@ def run(args) -> dict:
         "peak_nodes_over_limit": monitor.peak_nodes / node_limit,
         "peak_node_capacity": monitor.peak_capacity,
         "peak_array_bytes": monitor.peak_bytes,
-        "node_budget_bytes": node_limit * d.forest._nodes.shape[1] * 4,
+        # bytes of max_trie_nodes nodes in the node arrays, without the edge table
+        "node_budget_bytes": node_limit * (d.forest.nbytes - d.forest._table.nbytes)
+        // len(d.forest._nodes),
         "rss_start_mb": rss0, "rss_end_mb": rss_mb(),
         "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "evictions": d.evictions, "groups_evicted": d.groups_evicted,

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from consensus_spec.embedded import EOS, PAD, build_tokenizer, save_tokenizer
-from consensus_spec.synthetic import format_example, generate_problems
+from consensus_spec.model import EOS, PAD, build_tokenizer, save_tokenizer
+from consensus_spec.model.synthetic import format_example, generate_problems
 
 
 def parse_args(argv=None):
@@ -179,7 +179,7 @@ def write_report(out, args, argv, wall, n_params, seen, final_loss, n_examples):
     (out / "TRAINING.md").write_text(f"""# Embedded default model
 
 Tiny Llama ({n_params / 1e6:.2f}M parameters, head_dim {args.hidden // args.heads}, bf16)
-trained from scratch on `consensus_spec.synthetic` arithmetic word problems
+trained from scratch on `consensus_spec.model.synthetic` arithmetic word problems
 (2-4 steps, chain-of-thought solutions ending in "The answer is N.").
 
 Prompt: `Question: <question>\\nAnswer:` (the tokenizer prepends `<|bos|>`);

@@ -5,14 +5,14 @@
 
 Takes the plain rows (all n at once, no early stop) of a ``python -m evals
 math`` JSON, and for each wave schedule x stop rule drives the real
-:class:`~consensus_spec.waves.PathPlanner` over those samples, one token per
+:class:`~consensus_spec.sampling.waves.PathPlanner` over those samples, one token per
 path per engine step, with the CPU step-cost model of the embedded model
 (``budget.COST_MODELS["cpu_embedded"]``: a step of B rows costs about
 2.5 ms + 0.1 ms x B).  Reports tokens, estimated wall time and engine steps
 relative to all-at-once, batch fill, agreement with the plain run's full-n
 answer and maj@n.  Samples are assigned to paths in ``--perms`` random
 orders (path order 0 is the recorded one).  This is how the default waves
-were chosen (see :class:`consensus_spec.waves.Schedule`).
+were chosen (see :class:`consensus_spec.sampling.waves.Schedule`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import sys
 
 def simulate(problems, schedule, rule, cost) -> dict:
     """problems: list of (class ids, tokens, correct-per-class, full winner)."""
-    from consensus_spec.stopping import should_stop_ids, tally
-    from consensus_spec.waves import PathPlanner
+    from consensus_spec.sampling.stopping import should_stop_ids, tally
+    from consensus_spec.sampling.waves import PathPlanner
 
     def check(p, answers, remaining):
         return should_stop_ids(answers, remaining, rule)
@@ -55,14 +55,14 @@ def simulate(problems, schedule, rule, cost) -> dict:
                 continue
             del running[key]
             p, k = key
-            finished[p].append(problems[p][0][k])
+            finished[p].append((k, problems[p][0][k]))
             to_submit, to_abort = plan.on_finish(p, k, problems[p][0][k])
             for a in to_abort:
                 running.pop(a, None)
             submit(to_submit)
     agree = correct = 0
     for p, (ids, _, right, full) in enumerate(problems):
-        ranked = tally(finished[p])
+        ranked = tally([i for _, i in sorted(finished[p])])  # ties: lowest path, as voted
         winner = ranked[0][0] if ranked else None
         agree += winner == full
         correct += winner is not None and right[winner]
@@ -72,9 +72,9 @@ def simulate(problems, schedule, rule, cost) -> dict:
 
 
 def load(path: str):
-    from consensus_spec.answers import answers_equal
-    from consensus_spec.stopping import tally
-    from consensus_spec.voting import cluster_answers
+    from consensus_spec.voting.answers import answers_equal
+    from consensus_spec.sampling.stopping import tally
+    from consensus_spec.voting.vote import cluster_answers
 
     with open(path) as f:
         data = json.load(f)
@@ -98,7 +98,8 @@ def load(path: str):
 
 def main(argv=None) -> int:
     from consensus_spec.budget import COST_MODELS
-    from consensus_spec.waves import Schedule
+    from consensus_spec.sampling.stopping import tally
+    from consensus_spec.sampling.waves import Schedule
 
     from .math_configs import parse_early_stop
 
@@ -124,7 +125,9 @@ def main(argv=None) -> int:
                 idx = list(range(len(ids)))
                 if r:
                     rng.shuffle(idx)
-                perm.append(([ids[i] for i in idx], [toks[i] for i in idx], right, full))
+                ids_here = [ids[i] for i in idx]
+                ranked = tally(ids_here)  # full-n winner in this path order (ties: lowest path)
+                perm.append((ids_here, [toks[i] for i in idx], right, ranked[0][0] if ranked else None))
             orders.append(perm)
         base = [simulate(o, Schedule(waves=("rest",), capacity=args.capacity), None, cost)
                 for o in orders]

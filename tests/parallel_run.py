@@ -7,7 +7,7 @@
 consensus drafting, sends one ``n``-sample completion request per prompt,
 first without the ``X-data-parallel-rank`` header (vLLM's load balancer
 routes each child on its own) and then, for other prompts, with
-``consensus_spec.routing.rank_headers``. Evidence per engine, two ways:
+``consensus_spec.sampling.routing.rank_headers``. Evidence per engine, two ways:
 
 * ``/metrics``: vLLM labels its counters by engine (``engine="0"``), so the
   change of ``vllm:request_success_total`` and
@@ -92,12 +92,12 @@ class ConsensusCounters:
 # ---------------------------------------------------------------------------
 
 def model_path() -> str:
-    from consensus_spec.embedded import model_path as embedded
+    from consensus_spec.model import model_path as embedded
     return str(embedded())
 
 
 def prompts(count: int, offset: int = 0) -> list[str]:
-    from consensus_spec.synthetic import format_prompt, test_set
+    from consensus_spec.model.synthetic import format_prompt, test_set
     probs = test_set(offset + count)
     return [format_prompt(p["question"]) for p in probs[offset:offset + count]]
 
@@ -260,7 +260,7 @@ def run_dp(num_prompts: int = 6, n: int = 8, dp: int = 2, log_dir: str | None = 
     """One DP server; phase ``default`` (no header) then phase ``pinned``
     (header), on different prompts. Returns per-request per-engine deltas
     and per-phase proposer-counter deltas."""
-    from consensus_spec.routing import data_parallel_rank, rank_headers
+    from consensus_spec.sampling.routing import data_parallel_rank, rank_headers
 
     log_dir = log_dir or tempfile.mkdtemp(prefix="dp_run_")
     counters_dir = os.path.join(log_dir, "counters")

@@ -101,7 +101,7 @@ def free_port() -> int:
 
 
 def model_path() -> str:
-    from consensus_spec.embedded import model_path as path
+    from consensus_spec.model import model_path as path
     return path()
 
 
@@ -421,7 +421,7 @@ def good_requests(count: int, n: int, seed: int = 0, seeded_every: int = 4,
     """``count`` completion requests over synthetic problems; every
     ``seeded_every``-th one carries a ``seed``. Some prompts repeat (as a
     self-consistency client would resend a problem)."""
-    from consensus_spec.synthetic import format_prompt, generate_problems
+    from consensus_spec.model.synthetic import format_prompt, generate_problems
 
     rng = random.Random(seed)
     problems = generate_problems(max(4, count * 3 // 4), seed=seed)
@@ -447,7 +447,7 @@ def greedy_prompts(count: int, seed: int = 7) -> list[dict]:
     when using greedy sampling"), so it is sent as temperature 0.8 with
     top_k=1: sampling from the argmax alone, i.e. exactly greedy, through the
     sampled (rejection-sampling) path with four sibling sequences."""
-    from consensus_spec.synthetic import format_prompt, test_set
+    from consensus_spec.model.synthetic import format_prompt, test_set
 
     probs = test_set(count, seed=seed)
     return [{"prompt": format_prompt(p["question"]), "max_tokens": 64,

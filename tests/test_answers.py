@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("math_verify")
 
-from consensus_spec import answers as A  # noqa: E402
-from consensus_spec.answers import answers_equal, canonicalize, extract_answer  # noqa: E402
+from consensus_spec.voting import answers as A  # noqa: E402
+from consensus_spec.voting.answers import answers_equal, canonicalize, extract_answer  # noqa: E402
 
 
 def within(seconds: float, fn, *args):

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from consensus_spec import ConsensusDrafter, DrafterOptions
-from consensus_spec.forest import UNSET, SuffixForest
-from consensus_spec.trie import SuffixTrie
+from consensus_spec.drafting.forest import UNSET, SuffixForest
+from tests.reference_trie import SuffixTrie
 from tests.test_forest import assert_same_trie, batch
 
 

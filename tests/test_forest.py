@@ -10,8 +10,8 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from consensus_spec.forest import BEST, CNT, DEP, LINK, TOT, SuffixForest
-from consensus_spec.trie import SuffixTrie, joint_draft
+from consensus_spec.drafting.forest import BEST, CNT, DEP, LINK, TOT, SuffixForest
+from tests.reference_trie import SuffixTrie, joint_draft
 
 
 def batch(chunks):

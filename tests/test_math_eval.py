@@ -21,8 +21,8 @@ from evals.datasets import (  # noqa: E402
     load_problems,
 )
 from evals.prompts import MATH_INSTRUCTION, build_prompt  # noqa: E402
-from consensus_spec.stopping import StopRule  # noqa: E402
-from consensus_spec.waves import Schedule  # noqa: E402
+from consensus_spec.sampling.stopping import StopRule  # noqa: E402
+from consensus_spec.sampling.waves import Schedule  # noqa: E402
 from evals import math_report  # noqa: E402
 
 
@@ -99,7 +99,7 @@ def test_bad_arguments_exit_2_with_one_line(argv, message, small_jsonl, fake_mod
 def test_model_dir_without_config_and_missing_embedded_model(tmp_path, small_jsonl, capsys, monkeypatch):
     rc, err = run_main(["--dataset", small_jsonl, "--model", str(tmp_path)], capsys)
     assert rc == 2 and "has no config.json" in err
-    import consensus_spec.embedded as embedded
+    import consensus_spec.model as embedded
     monkeypatch.setattr(embedded, "MODEL_DIR", tmp_path / "absent")
     rc, err = run_main(["--dataset", small_jsonl], capsys)
     assert rc == 2 and "embedded model not found" in err and "--model" in err
@@ -147,7 +147,7 @@ def test_configs_pair_plain_and_adaptive_runs():
                                  "off", "decided", "--check", "path", "--capacity", "64"])
     got = [(n, s.describe(), s.capacity, math_eval.early_stop_label(r)) for n, s, r in args.configs]
     assert got == [(n, w, 64, e) for n in (8, 16) for w, e in (
-        ("all", "off"), ("4,4,rest+path-check", "decided"), ("2,rest", "off"),
+        ("all", "off"), ("4+path-check", "decided"), ("2,rest", "off"),
         ("2,rest+path-check", "decided"))]
     # all at once can only stop with per-path checks; the useless combination is skipped
     args = math_eval.parse_args(["--waves", "all", "4,rest", "--early-stop", "on"])
@@ -188,7 +188,7 @@ def test_gold_answer(value, field, expected):
 
 
 def test_gold_keys_match_equivalent_predictions():
-    from consensus_spec.answers import answers_equal
+    from consensus_spec.voting.answers import answers_equal
     assert MathProblem("0", "q", gold_answer("#### 1,234")).gold_key == "1234"
     assert answers_equal(r"\boxed{1,234}"[7:-1], gold_answer("#### 1,234"))
     assert answers_equal("0.5", gold_answer(r"\boxed{\frac{1}{2}}", "solution"))
@@ -233,7 +233,7 @@ def test_bad_files(tmp_path):
 
 
 def test_synthetic_set():
-    from consensus_spec.synthetic import test_set
+    from consensus_spec.model.synthetic import test_set
     probs = load_problems("synthetic", limit=5)
     ref = test_set(5)
     assert [p.gold for p in probs] == [str(r["answer"]) for r in ref]
@@ -279,7 +279,7 @@ def test_prompts():
     assert chat.startswith("[USER]") and "What is 2+2?" in chat  # BOS not doubled
     chat_keep = build_prompt(prob, FakeTokenizer(chat_template="{{ x }}", adds_bos=False))
     assert chat_keep.startswith("<s>[USER]")
-    from consensus_spec.synthetic import format_prompt
+    from consensus_spec.model.synthetic import format_prompt
     synth = MathProblem("s", "Mia has 3 apples.", "3", "synthetic")
     assert build_prompt(synth, FakeTokenizer(chat_template="x")) == format_prompt("Mia has 3 apples.")
 

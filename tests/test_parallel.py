@@ -2,7 +2,7 @@
 
 * DP=2 OpenAI server: without the ``X-data-parallel-rank`` header vLLM splits
   the children of an n = 8 request over both engines; with
-  ``consensus_spec.routing.rank_headers`` every child runs, and is drafted
+  ``consensus_spec.sampling.routing.rank_headers`` every child runs, and is drafted
   for, on the prompt's engine, and the engines' proposers hold one sibling
   group per prompt between them.
 * TP=2 ``LLM``: greedy outputs with consensus drafting equal those without

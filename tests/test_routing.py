@@ -1,4 +1,4 @@
-"""consensus_spec.routing: stable DP ranks that keep a prompt's siblings on
+"""consensus_spec.sampling.routing: stable DP ranks that keep a prompt's siblings on
 one engine; the DP replay's routings; and, where vLLM is installed, that
 vLLM's own front end honours the rank for every child of an n > 1 request."""
 
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from consensus_spec.routing import (
+from consensus_spec.sampling.routing import (
     DP_RANK_HEADER,
     data_parallel_rank,
     engine_data_parallel_size,
@@ -43,7 +43,7 @@ def test_golden_ranks_do_not_change():
 
 
 def test_stable_across_processes_and_hash_seeds():
-    code = ("from consensus_spec.routing import data_parallel_rank as r;"
+    code = ("from consensus_spec.sampling.routing import data_parallel_rank as r;"
             "print([r(f'Question: problem {i}', 8) for i in range(50)], r([5, 6, 7], 3))")
     outs = set()
     for seed in ("0", "123", "random"):

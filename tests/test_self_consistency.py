@@ -11,9 +11,9 @@ import pytest
 
 pytest.importorskip("math_verify")
 
-from consensus_spec.scheduling import resolve_stop_rule  # noqa: E402
-from consensus_spec.scheduling import should_stop as old_should_stop  # noqa: E402
-from consensus_spec.self_consistency import (  # noqa: E402
+from consensus_spec.sampling.engine_loop import resolve_stop_rule  # noqa: E402
+from consensus_spec.sampling.engine_loop import should_stop as old_should_stop  # noqa: E402
+from consensus_spec.sampling.self_consistency import (  # noqa: E402
     Schedule,
     SpecDecodeStats,
     StopRule,
@@ -25,7 +25,7 @@ from consensus_spec.self_consistency import (  # noqa: E402
     run_paths,
     spec_stats_delta,
 )
-from consensus_spec.voting import majority_vote  # noqa: E402
+from consensus_spec.voting.vote import majority_vote  # noqa: E402
 
 TOKEN_LOGPROB = -0.1
 
@@ -262,7 +262,7 @@ def test_capacity_keeps_the_batch_full_until_the_tail():
 
 def test_stop_at_wave_boundary_never_aborts():
     # problem 0 unanimous: the predictive rule stops after its first wave of 4;
-    # problem 1 split 50/50: runs all 16 paths in waves 4, 4, 8
+    # problem 1 split 50/50: runs all 16 paths in the default waves of 4
     table = [[("5", 2 + k % 3) for k in range(16)], [(str(k % 2), 2 + k % 3) for k in range(16)]]
     engine = FakeEngine(script_from(table))
     a, b = run_paths(engine, ["a", "b"], params_factory(), n=16, stop_rule=StopRule())
@@ -270,7 +270,7 @@ def test_stop_at_wave_boundary_never_aborts():
     assert a.num_aborted == 12 and a.aborted_tokens == 0
     assert a.est_tokens_saved == round(12 * sum(s.num_tokens for s in a.samples) / 4)
     assert not any(p == 0 and k >= 4 for p, k in adds(engine))
-    assert not b.stopped_early and len(b.samples) == 16 and b.waves == 3
+    assert not b.stopped_early and len(b.samples) == 16 and b.waves == 4
     assert not aborts(engine)  # a stop at a wave boundary has nothing running
 
 
@@ -478,7 +478,7 @@ def test_self_consistency_on_vllm(tmp_path_factory):
         pytest.skip("CONSENSUS_SKIP_VLLM set")
     from vllm import LLM
 
-    from consensus_spec.self_consistency import self_consistency
+    from consensus_spec.sampling.self_consistency import self_consistency
     try:
         from tests.tiny_model import build_tiny_llama
     except ImportError:  # tests/ not a package

@@ -1,4 +1,4 @@
-"""Adaptive stopping rules (consensus_spec.stopping) and their replay eval (evals.stopping)."""
+"""Adaptive stopping rules (consensus_spec.sampling.stopping) and their replay eval (evals.stopping)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ import pytest
 
 pytest.importorskip("scipy")
 
-from consensus_spec.scheduling import should_stop as engine_should_stop  # noqa: E402
-from consensus_spec.stopping import (  # noqa: E402
+from consensus_spec.sampling.engine_loop import should_stop as engine_should_stop  # noqa: E402
+from consensus_spec.sampling.stopping import (  # noqa: E402
     StopRule,
     _flip_probability,
     should_stop,
     should_stop_ids,
     tally,
 )
-from consensus_spec.voting import majority_vote  # noqa: E402
+from consensus_spec.voting.vote import majority_vote  # noqa: E402
 from evals.stopping import (  # noqa: E402
     VoteTrace,
     checkpoints,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from consensus_spec import synthetic
-from consensus_spec.synthetic import (
+from consensus_spec.model import synthetic
+from consensus_spec.model.synthetic import (
     extract_answer,
     format_example,
     format_prompt,
@@ -114,7 +114,7 @@ def test_prompt_format_and_extraction():
 
 def test_built_tokenizer_round_trips_and_splits_digits():
     pytest.importorskip("tokenizers")
-    from consensus_spec.embedded import BOS, build_tokenizer
+    from consensus_spec.model import BOS, build_tokenizer
 
     texts = [" ".join(format_example(p)) for p in generate_problems(500, seed=0)]
     tok = build_tokenizer(texts, vocab_size=400)

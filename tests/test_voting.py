@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("math_verify")
 
-from consensus_spec.voting import (  # noqa: E402
+from consensus_spec.voting.vote import (  # noqa: E402
     best_of_n,
     cluster_answers,
     logprob_weights,

@@ -1,4 +1,4 @@
-"""The pure wave planner (consensus_spec.waves): schedule validation, wave
+"""The pure wave planner (consensus_spec.sampling.waves): schedule validation, wave
 order, pipelining under capacity, stop checks and aborts, event by event."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from consensus_spec.waves import ALL_AT_ONCE, DEFAULT_WAVES, REST, PathPlanner, Schedule
+from consensus_spec.sampling.waves import ALL_AT_ONCE, DEFAULT_WAVES, REST, PathPlanner, Schedule
 
 # ---------------------------------------------------------------------------
 # Schedule

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from ..drafter import DrafterOptions
+from ..drafting.drafter import DrafterOptions
 from .options import ProposerOptions, engine_args, parse_options
 from .proposer import ConsensusProposer
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from ..drafter import DrafterOptions
+from ..budget import AUTO, cost_model
+from ..drafting.drafter import DrafterOptions
 
 SECTION = "consensus_spec"  # key of our options in vLLM's additional_config
 PROPOSER_CLASS = "consensus_spec.ConsensusProposer"
@@ -22,15 +23,18 @@ PROPOSER_CLASS = "consensus_spec.ConsensusProposer"
 
 @dataclass(frozen=True)
 class ProposerOptions:
-    """What the proposer does around the drafter (drafting options are in
-    :class:`DrafterOptions`)."""
+    """What the proposer does around the drafter: the draft budget's cost
+    model and fault handling (drafting options are in :class:`DrafterOptions`)."""
 
+    cost_model: str = AUTO  # the draft budget's step-cost model (see consensus_spec.budget), or "off"
     warmup: bool = True   # compile and run the kernels at construction, not on the first request
     max_failures: int = 3  # failing steps in a row after which drafting is switched off
 
     def __post_init__(self):
         if self.max_failures < 1:
             raise ValueError("max_failures must be >= 1")
+        if self.cost_model != AUTO:
+            cost_model(self.cost_model)  # checks the name, reads and fits a table
 
 
 _TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}

@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from ..budget import AUTO, DraftBudget, cost_model
-from ..drafter import ConsensusDrafter
+from ..drafting.drafter import ConsensusDrafter
 from .options import options_from_vllm, parse_options
 from .rows import RowTracker
 
@@ -39,7 +39,7 @@ class ConsensusProposer:
         self._max_num_seqs = int(getattr(sched, "max_num_seqs", 0) or 256)
         merged = {**self.options, **options_from_vllm(vllm_config), **options}
         self.drafter_options, self.proposer_options = parse_options(merged)
-        name = self.drafter_options.cost_model
+        name = self.proposer_options.cost_model
         if name == AUTO:
             device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cuda")
             name = "cpu_embedded" if device == "cpu" else "h200_7b"

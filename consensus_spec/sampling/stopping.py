@@ -2,7 +2,7 @@
 
 A problem samples up to N paths; after some have finished, :func:`should_stop`
 says whether the vote is settled enough to cancel the rest.  Answers are
-grouped into equivalence classes by :func:`consensus_spec.voting.cluster_answers`
+grouped into equivalence classes by :func:`consensus_spec.voting.vote.cluster_answers`
 and the rules then work on class ids (:func:`should_stop_ids`), which is also
 the fast path the replay evaluation uses (``python -m evals stopping``).
 
@@ -44,10 +44,9 @@ from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
-from scipy.special import betainc, betaln, gammaln
 
-from .answers import DEFAULT_TIMEOUT_S
-from .voting import cluster_answers
+from ..voting.answers import DEFAULT_TIMEOUT_S
+from ..voting.vote import cluster_answers
 
 __all__ = ["KINDS", "StopRule", "should_stop", "should_stop_ids", "tally"]
 
@@ -156,7 +155,7 @@ def should_stop_ids(
 
 
 def tally(ids: Sequence[int | None]) -> list[tuple[int, int]]:
-    """(class id, votes) ranked like :func:`~consensus_spec.voting.majority_vote`:
+    """(class id, votes) ranked like :func:`~consensus_spec.voting.vote.majority_vote`:
     most votes first, ties to the class that appeared first."""
     counts: dict[int, int] = {}
     for i in ids:
@@ -173,6 +172,7 @@ def _check_remaining(remaining: int) -> None:
 @lru_cache(maxsize=4096)
 def _beta_confidence(a: int, b: int) -> float:
     """P(p > 1/2) for p ~ Beta(1 + a, 1 + b)."""
+    from scipy.special import betainc  # imported on use: keeps the package import light
     return float(betainc(1 + b, 1 + a, 0.5))  # I_{1/2}(1+b, 1+a) = P(p > 1/2) by symmetry
 
 
@@ -208,5 +208,6 @@ def _flip_probability(counts: tuple[int, ...], abstained: int, remaining: int) -
 
 
 def _betabinom_pmf(k, n, a: float, b: float):
+    from scipy.special import betaln, gammaln  # imported on use: keeps the package import light
     return np.exp(gammaln(n + 1) - gammaln(k + 1) - gammaln(n - k + 1)
                   + betaln(k + a, n - k + b) - betaln(a, b))

@@ -3,7 +3,7 @@
 Extraction is pure regex/string work on a bounded tail of the text.
 Canonical strings merge answers that are exactly equal for free; anything
 else goes to math-verify, which runs in a killable helper subprocess (see
-:mod:`consensus_spec.equivalence`).  If the helper cannot run, equality falls
+:mod:`consensus_spec.voting.equivalence`).  If the helper cannot run, equality falls
 back to canonical strings.  Model output is never evaluated as Python.
 """
 

@@ -1,7 +1,7 @@
 """Bounded-depth suffix trie with counts: the probabilistic token trie.
 
 This pure-Python version is the readable reference; the drafter runs the
-same structure compiled, many tries per arena (:mod:`consensus_spec.forest`).
+same structure compiled, many tries per arena (:mod:`consensus_spec.drafting.forest`).
 
 Every substring of at most ``max_depth`` tokens of every inserted sequence is a
 path from the root, and a node's count is how often that substring occurred.

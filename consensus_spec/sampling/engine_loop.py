@@ -3,9 +3,9 @@ engine in waves, vote, stop problems early.
 
 :func:`run_paths` drives any engine with vLLM's ``LLMEngine`` request API
 (``add_request``/``step``/``abort_request``) through the pure
-:class:`~consensus_spec.waves.PathPlanner`, taking votes with
+:class:`~consensus_spec.sampling.waves.PathPlanner`, taking votes with
 :class:`Voting` options and stopping with a
-:class:`~consensus_spec.stopping.StopRule`.  The spec-decode counter helpers
+:class:`~consensus_spec.sampling.stopping.StopRule`.  The spec-decode counter helpers
 read vLLM's Prometheus metrics.
 """
 
@@ -17,12 +17,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .answers import DEFAULT_TIMEOUT_S, extract_answer
+from ..voting.answers import DEFAULT_TIMEOUT_S, extract_answer
 from .results import ProblemResult, Sample, SelfConsistencyRun, SpecDecodeStats
 from .routing import request_pinning
 from .stopping import StopRule
 from .stopping import should_stop as rule_says_stop
-from .voting import VoteResult, logprob_weights, majority_vote
+from ..voting.vote import VoteResult, logprob_weights, majority_vote
 from .waves import ALL_AT_ONCE, PathPlanner, Schedule
 
 __all__ = [
@@ -43,7 +43,7 @@ class Voting:
     """How a problem's finished paths are voted into one answer.
 
     ``extract``: text -> answer (None: no answer, the path abstains).
-    ``weighted``: weight votes by :func:`~consensus_spec.voting.logprob_weights`
+    ``weighted``: weight votes by :func:`~consensus_spec.voting.vote.logprob_weights`
     of mean token logprobs (``weight_method``; needs logprobs).
     ``timeout_s``: per math-verify comparison when clustering answers.
     """
@@ -101,7 +101,7 @@ def should_stop(vote: VoteResult, remaining: int, max_weight: float = 1.0) -> bo
     ``remaining * max_weight``, so no outcome of the remaining paths can
     change the winner.  Kept as the reference for ``StopRule(kind="decided")``
     (tests/test_stopping.py cross-checks the two); the engine loop uses
-    :func:`consensus_spec.stopping.should_stop`."""
+    :func:`consensus_spec.sampling.stopping.should_stop`."""
     return vote.winner is not None and vote.margin > remaining * max_weight
 
 

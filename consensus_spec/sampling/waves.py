@@ -9,7 +9,7 @@ to new problems, so the batch stays full up to ``capacity`` paths in flight.
 
 :class:`Schedule` is the configuration, :class:`PathPlanner` turns finish
 events into the (problem, path) requests to submit or abort.  The engine loop
-that drives a real engine through it is :func:`consensus_spec.scheduling.run_paths`.
+that drives a real engine through it is :func:`consensus_spec.sampling.engine_loop.run_paths`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ __all__ = ["ALL_AT_ONCE", "DEFAULT_WAVES", "REST", "PathPlanner", "Schedule"]
 
 REST = "rest"
 # Default waves: see Schedule's docstring for why.
-DEFAULT_WAVES: tuple[int | str, ...] = (4, 4, REST)
+DEFAULT_WAVES: tuple[int | str, ...] = (4,)
 CHECKS = ("wave", "path")
 
 
@@ -34,20 +34,25 @@ class Schedule:
     is every path not yet run; otherwise the last size repeats until N paths
     ran (``(4,)`` is waves of 4).  ``("rest",)`` runs all N at once.
     ``capacity``: paths in flight at most (None: unbounded;
-    :func:`~consensus_spec.self_consistency.self_consistency` fills in the
+    :func:`~consensus_spec.sampling.self_consistency.self_consistency` fills in the
     engine's ``max_num_seqs``).  ``check``: ``"wave"`` takes the stop vote
     only after whole waves (statistically sound: a finished wave is a random
     sample, while paths finishing one by one arrive shortest first), so
     nothing of a problem is running when it stops; ``"path"`` checks after
     every finished path and aborts the stopped problem's running paths.
 
-    Default waves ``(4, 4, "rest")``: with the default stop rule
-    (``StopRule(min_samples=3)``) a vote before 3 answers can never stop, so a
-    first wave below 3 only adds a serial round trip; checks at 4 and 8 of 16
-    stop most settled problems at a quarter or half of the tokens, and three
-    waves keep the per-problem latency (and the tail of a run) short.  Chosen
-    over (1, 2, 4, rest), (3, 4, rest), (4, rest) and (4, 4, 4, 4) by
-    ``python -m evals math --waves ...`` on the embedded model (README).
+    Default waves ``(4,)``, waves of 4 (at n=16: checks after 4, 8 and 12
+    paths).  The default :class:`~consensus_spec.sampling.stopping.StopRule`
+    cannot stop on fewer than 4 votes out of 16 (4 of 4 agreeing is its
+    first stop), so smaller first waves only add serial round trips; more
+    check points save tokens on contested problems.  Measured by
+    ``python -m evals.waves_sim`` on a 200-problem n=16 plain run of the
+    embedded model (5 path orders, CPU step-cost model): waves of 4 use 72%
+    of the plain run's tokens and an estimated 74% of its wall time, with
+    99.8% (worst order 99.0%) agreement with its full-16 vote and the same
+    maj@16; ``(4, 4, rest)`` 76%, ``(1, 2, 4, rest)`` and ``(3, 4, rest)``
+    81%, ``(4, rest)`` 85%; waves of 2 save 3 points more tokens but take
+    16% more engine steps at 57% batch fill.
     """
 
     waves: tuple[int | str, ...] = DEFAULT_WAVES

@@ -4,11 +4,11 @@ We drive ``llm.llm_engine`` step by step instead of calling ``llm.generate``
 so that a problem's paths can run in waves, with a vote after each wave that
 may stop the problem early (adaptive self-consistency), while waves of other
 problems keep the batch full.  Options come in three frozen configs:
-:class:`~consensus_spec.waves.Schedule` (waves, capacity, when to check),
-:class:`~consensus_spec.stopping.StopRule` (when a vote may stop) and
-:class:`~consensus_spec.scheduling.Voting` (answer extraction, weights).  The
-pure planner is :mod:`consensus_spec.waves`, the engine loop
-:mod:`consensus_spec.scheduling`, result types :mod:`consensus_spec.results`;
+:class:`~consensus_spec.sampling.waves.Schedule` (waves, capacity, when to check),
+:class:`~consensus_spec.sampling.stopping.StopRule` (when a vote may stop) and
+:class:`~consensus_spec.sampling.engine_loop.Voting` (answer extraction, weights).  The
+pure planner is :mod:`consensus_spec.sampling.waves`, the engine loop
+:mod:`consensus_spec.sampling.engine_loop`, result types :mod:`consensus_spec.sampling.results`;
 their names are importable from here too.
 
 Speculative-decoding statistics come from vLLM's own Prometheus counters
@@ -24,7 +24,7 @@ import warnings
 from typing import Any, Callable, Sequence
 
 from .results import ProblemResult, Sample, SelfConsistencyRun, SpecDecodeStats  # noqa: F401
-from .scheduling import (  # noqa: F401  (_tokens_saved: re-exported for tests)
+from .engine_loop import (  # noqa: F401  (_tokens_saved: re-exported for tests)
     Voting,
     _tokens_saved,
     read_spec_counters,
@@ -118,8 +118,8 @@ def self_consistency(
     paths change the winner is <= 5%), ``"decided"`` (exact: only when they
     cannot), another rule kind, or a :class:`StopRule`.
     ``schedule``: :class:`Schedule` (waves, capacity, check); default: waves
-    ``(4, 4, "rest")`` with a stop rule, all at once without; capacity
-    defaults to the engine's ``max_num_seqs``.
+    of 4 with a stop rule, all at once without; capacity defaults to the
+    engine's ``max_num_seqs``.
     ``voting``: :class:`Voting` (answer extraction, logprob weights).
     ``logprobs``: request the sampled tokens' logprobs (needed for weights and
     best-of-n).  ``seed`` makes path k of problem i use seed

@@ -1,4 +1,4 @@
-"""The math-verify subprocess behind :func:`consensus_spec.answers.equivalent`.
+"""The math-verify subprocess behind :func:`consensus_spec.voting.answers.equivalent`.
 
 Every sympy operation runs in a helper subprocess: sympy can hang inside C
 code (``10^{10^{10}}``, huge factorials) where no signal can interrupt it, so
@@ -26,7 +26,7 @@ from collections import OrderedDict
 
 logger = logging.getLogger(__name__)
 
-__all__: list[str] = []  # internal: use consensus_spec.answers
+__all__: list[str] = []  # internal: use consensus_spec.voting.answers
 
 
 def _close(xs: list[complex], ys: list[complex]) -> bool:

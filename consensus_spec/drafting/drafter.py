@@ -23,7 +23,6 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from .budget import AUTO, cost_model
 from .forest import UNSET, SuffixForest
 
 
@@ -39,7 +38,6 @@ class DrafterOptions:
     cross_group_tokens: int = 600_000  # the cross-group trie restarts beyond this
     max_trie_nodes: int = 8_000_000  # arena size (~40 B a node) at which least-recently-used
     #                                  groups are evicted (down to 3/4 of it)
-    cost_model: str = "auto"        # step-cost model for the budget (see budget.py), or "off"
 
     def __post_init__(self):
         if self.max_depth < 1 or self.min_match < 1 or self.min_match > self.max_depth:
@@ -52,8 +50,6 @@ class DrafterOptions:
             raise ValueError("token budgets must be >= 0")
         if self.max_trie_nodes < 1000:
             raise ValueError("max_trie_nodes must be >= 1000")
-        if self.cost_model != AUTO:
-            cost_model(self.cost_model)  # validates the name (and reads a table)
 
     @classmethod
     def from_dict(cls, options: dict) -> "DrafterOptions":
@@ -188,7 +184,7 @@ class ConsensusDrafter:
         all recent outputs at ``cross_group_weight``) scores higher on
         ``weight * P(token | context) * (1 + context length)``; a draft ends
         once the running product of the chosen probabilities drops below
-        ``min_prob`` (see :func:`consensus_spec.trie.joint_draft`).
+        ``min_prob`` (see :func:`tests.reference_trie.joint_draft`).
         """
         o = self.options
         paths = self._attached(paths)

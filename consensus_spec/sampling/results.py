@@ -1,11 +1,11 @@
-"""Result types of :func:`consensus_spec.self_consistency.self_consistency`."""
+"""Result types of :func:`consensus_spec.sampling.self_consistency.self_consistency`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from .voting import BestOfN, VoteResult, best_of_n
+from ..voting.vote import BestOfN, VoteResult, best_of_n
 
 __all__ = ["ProblemResult", "Sample", "SelfConsistencyRun", "SpecDecodeStats"]
 

@@ -1,0 +1,20 @@
+"""Command-line pieces the evals share."""
+
+from __future__ import annotations
+
+import json
+
+
+def parse_options(pairs: list[str]) -> dict:
+    """``--option KEY=VALUE`` pairs as a dict; values are JSON where they
+    parse (``min_prob=0.3``, ``warmup=false``), else strings (``cost_model=off``)."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--option expects KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
