@@ -103,7 +103,7 @@ def self_consistency(
     early_stop: bool | str | StopRule | None = None,
     schedule: Schedule | None = None,
     voting: Voting | None = None,
-    logprobs: bool = True,
+    logprobs: bool | None = None,
     stop: list[str] | None = None,
     sampling_kwargs: dict[str, Any] | None = None,
     on_problem_done: Callable[[int], None] | None = None,
@@ -121,8 +121,9 @@ def self_consistency(
     of 4 with a stop rule, all at once without; capacity defaults to the
     engine's ``max_num_seqs``.
     ``voting``: :class:`Voting` (answer extraction, logprob weights).
-    ``logprobs``: request the sampled tokens' logprobs (needed for weights and
-    best-of-n).  ``seed`` makes path k of problem i use seed
+    ``logprobs``: request the sampled tokens' logprobs; None (default): only
+    when weighted voting needs them (they cost vLLM extra work per draft
+    token); pass True for best-of-n by mean logprob.  ``seed`` makes path k of problem i use seed
     ``seed + i * n + k``, so results do not depend on scheduling.
     ``stop`` and ``sampling_kwargs`` go to ``SamplingParams``.
     The engine must be idle: outputs of other requests would be swallowed.
@@ -141,6 +142,8 @@ def self_consistency(
     voting = voting or Voting()
     stop_rule = resolve_stop_rule(early_stop)
     schedule = resolve_schedule(schedule, stop_rule)
+    if logprobs is None:  # they cost vLLM extra work per draft token: only when used
+        logprobs = voting.weighted
     if voting.weighted and not logprobs:
         raise ValueError("weighted voting needs logprobs=True")
     engine = llm.llm_engine
