@@ -18,7 +18,7 @@ from consensus_spec.model.synthetic import (
     test_set,
 )
 
-MODEL_DIR = Path(synthetic.__file__).resolve().parent / "model"
+MODEL_DIR = Path(synthetic.__file__).resolve().parent  # the model package, beside synthetic.py
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-MODEL_DIR = Path(__file__).resolve().parent / "model"
+MODEL_DIR = Path(__file__).resolve().parent  # this package holds the weights
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 
 # Renders a single user turn into the plain training prompt.
