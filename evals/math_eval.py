@@ -92,8 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="auto", help="model dtype (float32 is safest on CPU)")
     ap.add_argument("--max-model-len", type=int)
     ap.add_argument("--max-num-seqs", type=int, help="engine batch rows (default: vLLM's)")
-    ap.add_argument("--no-enforce-eager", dest="enforce_eager", action="store_false",
-                    help="allow CUDA graphs / compilation (slower startup)")
+    ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                    help="eager mode (default: on CPU only; on GPU keep CUDA graphs, which the "
+                         "budget's H200 cost model was fitted to)")
     ap.add_argument("--reuse-engine", action="store_true",
                     help="one engine per method for all configs (faster startup, but drafters "
                          "and the prefix cache remember earlier passes over the same problems)")
@@ -221,7 +222,8 @@ def build_llm(method: str, args):
 
     kwargs = dict(model=args.model, speculative_config=spec_config(method, args), seed=args.seed,
                   dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
-                  enforce_eager=args.enforce_eager, disable_log_stats=False)
+                  enforce_eager=on_cpu() if args.enforce_eager is None else args.enforce_eager,
+                  disable_log_stats=False)
     if args.max_model_len is not None:
         kwargs["max_model_len"] = args.max_model_len
     if args.max_num_seqs is not None:

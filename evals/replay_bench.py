@@ -36,23 +36,16 @@ import time
 from tqdm import tqdm
 
 from .cli import parse_options
-from .drafters import BASELINES, METHODS, SCHEDULABLE, make_drafter
+from .drafters import METHODS, SCHEDULABLE, make_drafter
 from .projection import HostTime, StepCosts, break_even_host_ms
 from .replay import replay
+from .replay_report import markdown, sweep_markdown, targets
 from .traces import TraceError, load_problems, load_tokenizer, shared_path
 
 DEFAULT_TRACES = ("addsub_codex002_n40.jsonl", "gsm8k_qwen3_4b_n8.jsonl", "svamp_pot_codex002_n30.jsonl")
 PROJECTED_BATCHES = (16, 64, 128)
 SWEEP_K = (0, 1, 2, 3, 4, 6, 8)
 DEFAULT_HOST_TIME = "results/host_time.jsonl"
-LABELS = {
-    "none": "none",
-    "ngram": "ngram",
-    "suffix": "suffix",
-    "suffix-budget": "suffix + this budget",
-    "consensus-nobudget": "consensus, budget off",
-    "consensus": "consensus",
-}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -319,132 +312,6 @@ def run(args) -> tuple[list[dict], list[dict], dict]:
                             row["k_at_batch"] = pick["k"].get(batch)
                         results.append(row)
     return results, sweeps, tuned
-
-
-# ---------------------------------------------------------------------------
-# Reporting
-# ---------------------------------------------------------------------------
-
-
-def _fmt_range(values: list[float]) -> str:
-    lo, hi = min(values), max(values)
-    return f"{lo:.2f}" if round(lo, 2) == round(hi, 2) else f"{lo:.2f}–{hi:.2f}"
-
-
-def cell(runs: list[dict], async_view: bool, bold: bool = False) -> str:
-    """'unaware / aware (τ, k or runs)' for one method at one batch size and scouts."""
-    mean = lambda key: sum(r[key] for r in runs) / len(runs)  # noqa: E731
-    if "speedup" not in runs[0]:
-        return f"τ {mean('tau'):.2f}"
-    text = f"**{mean('speedup'):.2f}**" if bold else f"{mean('speedup'):.2f}"
-    if async_view:
-        text += f" / {mean('speedup_async'):.2f}"
-    notes = [f"τ {mean('tau'):.2f}"]
-    if runs[0].get("k_at_batch") is not None:
-        notes.insert(0, f"k{runs[0]['k_at_batch']}" if runs[0]["k_at_batch"] else "off")
-    if len(runs) > 1:
-        spread = _fmt_range([r["speedup"] for r in runs])
-        if async_view:
-            spread += " / " + _fmt_range([r["speedup_async"] for r in runs])
-        notes.append(f"{len(runs)} runs: {spread}")
-    return f"{text} ({', '.join(notes)})"
-
-
-def markdown(results: list[dict], tuned: dict, host: HostTime | None = None) -> str:
-    async_view = any("speedup_async" in r for r in results)
-    out = []
-    for name in dict.fromkeys(r["traces"] for r in results):
-        rows = [r for r in results if r["traces"] == name]
-        methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
-        n_problems = rows[0]["problems"]
-        out.append(f"#### {name} ({n_problems} problems)\n")
-        head = ["rows"] + [LABELS[m] + (", best schedule" if m in tuned.get(name, {}) else "")
-                           for m in methods]
-        out.append("| " + " | ".join(head) + " |")
-        out.append("|" + "---|" * len(head))
-        for batch in dict.fromkeys(r["batch"] for r in rows):
-            for scouts in dict.fromkeys(r["scouts"] for r in rows):
-                label = f"{batch}" + (f", {scouts} scout" if scouts else "")
-                cells, best = [], max((r.get("speedup", 0.0) for r in rows if r["batch"] == batch
-                                       and r["scouts"] == scouts and r["method"] in BASELINES
-                                       ), default=1.0)
-                best = max(best, 1.0)  # and no drafting
-                for m in methods:
-                    runs = [r for r in rows if r["batch"] == batch and r["scouts"] == scouts
-                            and r["method"] == m]
-                    if not runs:
-                        cells.append("-")
-                        continue
-                    bold = (m == "consensus" and "speedup" in runs[0]
-                            and min(r["speedup"] for r in runs) > best)
-                    cells.append(cell(runs, async_view, bold))
-                out.append(f"| {label} | " + " | ".join(cells) + " |")
-        for m, pick in tuned.get(name, {}).items():
-            params = "".join(f", {k.removeprefix('suffix_decoding_')} {v}" for k, v in pick["params"].items())
-            out.append(f"\n{LABELS[m]} best schedule ({pick['text']}{params}; tuned on the first "
-                       f"{pick['tune_problems']} problems): `num_speculative_tokens_per_batch_size="
-                       f"{[list(e) for e in pick['schedule']]}`")
-        out.append("")
-    legend = ("Projected H200 (Qwen2.5-7B step costs) decode speedup over no drafting"
-              + (": async-unaware / async-aware" if async_view else ", async-unaware")
-              + " (τ tokens per row-step; k the scheduled draft length at that batch size). "
-              "A projection from measured GPU step costs and drafter CPU time measured here, "
-              "not a GPU measurement. Bold: consensus ahead of no drafting and of every "
-              "baseline (ngram, suffix, suffix + this budget) in the async-unaware view in every run.")
-    if host is not None:
-        legend += (" Async-aware host time h(B) from " + (host.source or "the table") + ": "
-                   + ", ".join(f"B{b} {host.host_ms(b):.2f} ms" for b in
-                               dict.fromkeys(r["batch"] for r in results)) + ".")
-    return legend + "\n\n" + "\n".join(out)
-
-
-def sweep_markdown(sweeps: list[dict]) -> str:
-    if not sweeps:
-        return ""
-    ks = sorted({r["k"] for r in sweeps})
-    lines = ["Sweep (async-unaware projected speedup on the tuning problems; k fixed at each batch size):",
-             "", "| traces | method | settings | rows | " + " | ".join(f"k{k}" for k in ks) + " |",
-             "|" + "---|" * (4 + len(ks))]
-    keyed: dict[tuple, dict[int, float]] = {}
-    for r in sweeps:
-        settings = ", ".join(f"{k.removeprefix('suffix_decoding_')} {v}" for k, v in r["params"].items()) or "-"
-        keyed.setdefault((r["traces"], r["method"], settings, r["batch"]), {})[r["k"]] = r["speedup"]
-    for (traces, method, settings, batch), by_k in keyed.items():
-        best = max(by_k.values())
-        vals = [("**%.2f**" if by_k[k] == best else "%.2f") % by_k[k] if k in by_k else "-" for k in ks]
-        lines.append(f"| {traces} | {method} | {settings} | {batch} | " + " | ".join(vals) + " |")
-    return "\n".join(lines)
-
-
-def targets(results: list[dict]) -> list[str]:
-    """The issue's targets, checked plainly."""
-    lines = []
-    for name in dict.fromkeys(r["traces"] for r in results):
-        rows = [r for r in results if r["traces"] == name and r["scouts"] == 0 and "speedup" in r]
-        for batch in dict.fromkeys(r["batch"] for r in rows):
-            at = [r for r in rows if r["batch"] == batch]
-            ours = [r for r in at if r["method"] == "consensus"]
-            others = [r for r in at if r["method"] in BASELINES]
-            if not ours:
-                continue
-            lo = min(r["speedup"] for r in ours)
-            rival = max(others, key=lambda r: r["speedup"], default=None)
-            if rival is not None:
-                ok = lo > rival["speedup"] and lo > 1.0
-                lines.append(f"{name} B={batch}: consensus {'ahead of' if ok else 'NOT ahead of'} "
-                             f"every baseline (worst run {lo:.2f}; best other {rival['method']} "
-                             f"{rival['speedup']:.2f}; none 1.00)")
-            if batch == 128:
-                lines.append(f"{name} B=128: async-unaware consensus ≥ 1.10 in every run: "
-                             f"{'met' if lo >= 1.10 else 'MISSED'} ({_fmt_range([r['speedup'] for r in ours])})")
-                if all("speedup_async" in r for r in ours):
-                    lo_a = min(r["speedup_async"] for r in ours)
-                    be = min(r["break_even_host_ms"] for r in ours)
-                    lines.append(f"{name} B=128: async-aware consensus ≥ 1.0 in every run: "
-                                 f"{'met' if lo_a >= 1.0 else 'MISSED'} "
-                                 f"({_fmt_range([r['speedup_async'] for r in ours])} with host time "
-                                 f"{ours[0]['host_ms']:.2f} ms; break-even host time {be:.2f} ms)")
-    return lines
 
 
 def main(argv=None) -> int:
