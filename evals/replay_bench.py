@@ -77,6 +77,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                     help="consensus drafter option, e.g. min_prob=0.3 (repeatable)")
     ap.add_argument("--out", default="results/replay", help="output prefix (.json and .md)")
+    ap.add_argument("--drafter-time-scale", type=float, default=1.0,
+                    help="what-if: project with the measured drafter time times this (e.g. 0.5 for a "
+                         "host CPU twice as fast as this one during the run)")
+    ap.add_argument("--host-time-scale", type=float, default=1.0,
+                    help="what-if: project with the host-time table's values times this")
     ap.add_argument("--from-json", metavar="FILE",
                     help="replay nothing: project the results of an earlier run's .json afresh "
                          "(e.g. on another --host-time or --costs table)")
@@ -87,6 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--limit must be >= 1")
     if args.tune_limit < 1 or args.repeats < 1:
         ap.error("--tune-limit and --repeats must be >= 1")
+    if args.drafter_time_scale < 0 or args.host_time_scale < 0:
+        ap.error("--drafter-time-scale and --host-time-scale must be >= 0")
     if min(args.sweep_k) < 0 or max(args.sweep_k) > args.k:
         ap.error(f"--sweep-k values must be in 0..--k ({args.k})")
     return args
@@ -182,7 +189,8 @@ class Bench:
         self.warmed: set[str] = set()
 
     def project(self, row: dict) -> dict:
-        b, tau, d, c = row["batch"], row["tau"], row["drafts_per_step"], row["cpu_us_per_row"]
+        b, tau, d = row["batch"], row["tau"], row["drafts_per_step"]
+        c = row["cpu_us_per_row"] * self.args.drafter_time_scale
         if self.costs is None or b not in self.costs.batch_sizes:
             return row
         none = row["method"] == "none"
@@ -190,7 +198,7 @@ class Bench:
         if not none:
             row["break_even_host_ms"] = break_even_host_ms(self.costs, b, tau, d, c)
         if self.host is not None:
-            h = self.host.host_ms(b)
+            h = self.host.host_ms(b) * self.args.host_time_scale
             row["host_ms"] = h
             # no drafting runs with async scheduling: it is the baseline itself
             row["speedup_async"] = 1.0 if none else self.costs.speedup_async_aware(b, tau, d, c, h)
@@ -314,10 +322,25 @@ def run(args) -> tuple[list[dict], list[dict], dict]:
     return results, sweeps, tuned
 
 
+def cpu_reference_s(n: int = 5_000_000) -> float:
+    """CPU seconds of a fixed pure-Python loop: how fast this machine ran
+    (every drafter time here scales with it; compare runs and machines by it)."""
+    t0 = time.process_time()
+    total = 0
+    for i in range(n):
+        total += i
+    return time.process_time() - t0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    reference = []
     try:
+        if not args.from_json:
+            reference.append(cpu_reference_s())
         results, sweeps, tuned = reproject(args) if args.from_json else run(args)
+        if not args.from_json:
+            reference.append(cpu_reference_s())
         host = load_tables(args, quiet=True)[1]
     except (TraceError, FileNotFoundError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -329,6 +352,15 @@ def main(argv=None) -> int:
     table = markdown(results, tuned, host)
     sweep_table = sweep_markdown(sweeps)
     checks = targets(results)
+    scales = [f"{what} × {x:g}" for what, x in (("drafter time", args.drafter_time_scale),
+                                                ("host time", args.host_time_scale)) if x != 1.0]
+    if scales:
+        table = ("WHAT-IF projection: measured " + " and ".join(scales)
+                 + " (not what was measured).\n\n" + table)
+    if reference:
+        table += ("\n\nCPU speed during the run: a fixed pure-Python loop (5M additions) took "
+                  + " / ".join(f"{x:.2f}" for x in reference) + " s of CPU time before / after "
+                  "(drafter times scale with it).")
     print(table)
     if sweep_table:
         print("\n" + sweep_table)
@@ -336,7 +368,7 @@ def main(argv=None) -> int:
         print("\nTargets:\n" + "\n".join("- " + c for c in checks))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".json", "w") as f:
-        json.dump({"args": vars(args), "results": results, "sweep": sweeps,
+        json.dump({"args": vars(args), "cpu_reference_s": reference, "results": results, "sweep": sweeps,
                    "schedules": {n: {m: {k: v for k, v in p.items()} for m, p in t.items()}
                                  for n, t in tuned.items()}}, f, indent=1)
     with open(args.out + ".md", "w") as f:

@@ -266,6 +266,16 @@ def test_bench_sweeps_schedules_and_reports_both_views(tmp_path):
         if old["method"] != "none":
             assert new["speedup_async"] < old["speedup_async"]
 
+    # what-if: a free drafter projects to tau T(B, 1) / T(B, 1 + d)
+    assert replay_main(["--from-json", str(tmp_path / "r.json"), "--host-time", str(host),
+                        "--drafter-time-scale", "0", "--out", str(tmp_path / "free")]) == 0
+    assert "WHAT-IF" in (tmp_path / "free.md").read_text()
+    costs = StepCosts.load(shared_path("costs", "h200_qwen2.5-7b_step_ms.jsonl"))
+    for r in json.loads((tmp_path / "free.json").read_text())["results"]:
+        if r["method"] != "none":
+            b, d = r["batch"], r["drafts_per_step"]
+            assert r["speedup"] == pytest.approx(r["tau"] * costs.step_ms(b, 1) / costs.step_ms(b, 1 + d))
+
 
 @pytest.mark.skipif(not os.path.exists(SHARED_TRACES), reason=f"shared traces not found at {SHARED_TRACES}")
 def test_bench_missing_host_table_is_an_error(tmp_path, capsys):
