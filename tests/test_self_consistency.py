@@ -496,7 +496,7 @@ def test_self_consistency_on_vllm(tmp_path_factory):
 
 def _check_real_engine(llm, self_consistency):
     probs = ["one plus two is", "three times four is"]
-    run = self_consistency(llm, probs, n=4, max_tokens=12, seed=1,
+    run = self_consistency(llm, probs, n=4, max_tokens=12, seed=1, logprobs=True,
                            schedule=Schedule(waves=(2, "rest")),
                            early_stop=StopRule(kind="margin", margin=3, min_samples=1))
     assert len(run) == 2 and run.wall_time_s > 0 and run.engine_steps > 0
@@ -511,6 +511,8 @@ def _check_real_engine(llm, self_consistency):
     assert not llm.llm_engine.has_unfinished_requests()
 
     plain = self_consistency(llm, probs, n=4, max_tokens=12, seed=1)
+    # logprobs cost vLLM work per draft token: only requested when asked or voting needs them
+    assert all(s.cumulative_logprob is None for r in plain for s in r.samples)
     # per-path seeds: a path's text does not depend on waves or output kind
     assert [s.text for s in plain[0].samples][:2] == [s.text for s in run[0].samples][:2]
 
