@@ -266,6 +266,7 @@ def run_configs(method: str, configs: list[tuple], args, problems, max_tokens: i
         for n, schedule, rule in configs:
             desc = f"{method} n={n}" + ("" if schedule.all_at_once else f" waves={schedule.describe()}") \
                 + ("" if rule is None else f" es={rule.describe()}")
+            cpu0 = process_cpu_s()
             with tqdm(total=len(problems), desc=desc, unit="problem", file=sys.stderr,
                       dynamic_ncols=True) as bar:
                 run = self_consistency(
@@ -276,6 +277,7 @@ def run_configs(method: str, configs: list[tuple], args, problems, max_tokens: i
                     on_problem_done=lambda _p: bar.update(1))
             row = make_row(method, n, schedule, rule, run, problems, startup,
                            spec_config(method, args), style)
+            row["cpu_time_s"] = process_cpu_s() - cpu0 if in_process_engine() else None
             row["prompt_example"] = prompts[0]
             rows.append(row)
     finally:
@@ -283,6 +285,16 @@ def run_configs(method: str, configs: list[tuple], args, problems, max_tokens: i
         del llm
         gc.collect()
     return rows
+
+
+def process_cpu_s() -> float:
+    """CPU seconds of this process, all threads (with the engine in this
+    process, a load-robust companion to wall time on a shared machine)."""
+    return time.process_time()
+
+
+def in_process_engine() -> bool:
+    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
 
 
 def run_all(args, problems, max_tokens: int) -> list[dict]:

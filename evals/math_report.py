@@ -59,6 +59,8 @@ def add_comparisons(rows: list[dict]) -> None:
         plain_none = _plain(rows, "none", r["n"])
         r["wall_speedup"] = (plain_none["wall_time_s"] / r["wall_time_s"]
                              if plain_none and r["wall_time_s"] else None)
+        cpu, base_cpu = r.get("cpu_time_s"), plain_none and plain_none.get("cpu_time_s")
+        r["cpu_speedup"] = base_cpu / cpu if base_cpu and cpu else None
         plain = _plain(rows, r["method"], r["n"])
         r["tokens_vs_plain"] = r["tokens"] / plain["tokens"] if plain and plain["tokens"] else None
         r["agreement"] = answer_agreement(r, plain) if plain is not None and r is not plain else None
@@ -210,9 +212,9 @@ def _f(value, fmt: str) -> str:
 def markdown(rows: list[dict]) -> str:
     head = ("| method | n | waves | early stop | pass@1 | maj@n | agree w/ plain full-n | "
             "replay agree | tokens | tokens vs plain | samples/problem | stopped | tok/s | wall s | "
-            "speedup (tok/s) | wall speedup vs plain none | batch fill | accept len | drafted | "
-            "accepted |")
-    lines = [head, "|" + "---|" * 20]
+            "speedup (tok/s) | wall speedup vs plain none | cpu s | cpu speedup vs plain none | "
+            "batch fill | accept len | drafted | accepted |")
+    lines = [head, "|" + "---|" * 22]
     for r in rows:
         lines.append(
             f"| {r['method']} | {r['n']} | {r['waves']} | {r['early_stop']} | "
@@ -221,6 +223,7 @@ def markdown(rows: list[dict]) -> str:
             f"{_f(r.get('tokens_vs_plain'), '.3f')} | {_f(r.get('samples_per_problem'), '.2f')} | "
             f"{r.get('stopped_early', 0)} | {_f(r['tokens_per_s'], '.1f')} | {r['wall_time_s']:.1f} | "
             f"{_f(r.get('speedup'), '.2f')} | {_f(r.get('wall_speedup'), '.2f')} | "
+            f"{_f(r.get('cpu_time_s'), '.1f')} | {_f(r.get('cpu_speedup'), '.2f')} | "
             f"{_f(r.get('batch_fill'), '.3f')} | {_f(r['mean_acceptance_length'], '.2f')} | "
             f"{r['drafted_tokens']} | {r['accepted_tokens']} |")
     floor = noise_floor(rows)
