@@ -11,6 +11,7 @@ COMMANDS = {
     "step-costs": ("evals.step_costs", "measure a step-cost table T(B, q) for the draft budget"),
     "host-time": ("evals.host_time", "measure host time per engine step (what async scheduling hides)"),
     "stopping": ("evals.stopping", "replay adaptive stopping rules on recorded traces"),
+    "waves": ("evals.waves_replay", "replay waves + stopping with drafting: projected time to all answers"),
     "dp-replay": ("evals.dp_replay", "replay traces with siblings split over data-parallel engines"),
 }
 

@@ -65,6 +65,20 @@ class StepCosts:
             return float(ms[-1] + slope * (q - qs[-1]))
         return float(np.interp(q, qs, ms))
 
+    def step_ms_between(self, batch: int, q: float) -> float:
+        """:meth:`step_ms` at any batch size from the smallest measured to the
+        largest, linear in B between measured sizes (a wave run's batch
+        varies step by step)."""
+        sizes = self.batch_sizes
+        if not sizes[0] <= batch <= sizes[-1]:
+            raise ValueError(f"batch size {batch} outside the cost table's {sizes[0]}..{sizes[-1]}")
+        if batch in self._table:
+            return self.step_ms(batch, q)
+        hi = next(b for b in sizes if b > batch)
+        lo = max(b for b in sizes if b < batch)
+        w = (batch - lo) / (hi - lo)
+        return (1 - w) * self.step_ms(lo, q) + w * self.step_ms(hi, q)
+
     def speedup(self, batch: int, tau: float, drafts_per_step: float, drafter_us_per_row: float) -> float:
         """Async-unaware: host time left out of both sides."""
         c_ms = drafter_us_per_row * batch / 1000.0
@@ -137,3 +151,25 @@ def break_even_host_ms(costs: StepCosts, batch: int, tau: float, drafts_per_step
     t1, td = costs.step_ms(batch, 1.0), costs.step_ms(batch, 1.0 + drafts_per_step)
     h = tau * t1 - td - c_ms
     return float("inf") if h >= t1 else h
+
+
+def run_ms(costs: StepCosts, step_rows, step_drafted, drafter_ms=None,
+           host: HostTime | None = None, hide_host: bool = False) -> float:
+    """Projected time of a whole run, step by step: ``T(B, 1 + d/B)`` for each
+    step's B rows and d draft tokens, plus the drafter's time that step
+    (``drafter_ms``, serial in vLLM).  With ``host``: each step pays h(B)
+    serially, or only beyond T with ``hide_host`` (async scheduling, which
+    vLLM keeps only without drafting).  A step of 0 rows (the drafter's
+    call after the last rows finished) costs only the drafter's time."""
+    total = 0.0
+    for s, (b, d) in enumerate(zip(step_rows, step_drafted)):
+        t = drafter_ms[s] if drafter_ms is not None else 0.0
+        if b == 0:  # the drafter's last call after the last rows finished
+            total += t
+            continue
+        t += costs.step_ms_between(int(b), 1.0 + d / b)
+        if host is not None:
+            h = host.host_ms(int(b))
+            t = max(t, h) if hide_host else t + h
+        total += t
+    return total

@@ -11,6 +11,10 @@ vLLM condenses it: the last row moves into each hole.
 With ``scouts=S`` the first S paths of each problem run first; the others join
 once that problem's scouts have finished, ahead of the next problem's scouts,
 so the batch stays full and followers can draft from finished siblings.
+Any other order of entry (waves with stop votes: :mod:`evals.waves_replay`)
+is an ``admission`` object with ``pop()`` and ``finished(problem, path)``,
+which may return running paths to abort: they leave the batch at once, their
+tokens so far counted in ``aborted_tokens``.
 """
 
 from __future__ import annotations
@@ -32,9 +36,12 @@ class ReplayStats:
     tokens: int = 0         # tokens produced by those steps
     drafted: int = 0
     accepted: int = 0
+    aborted_tokens: int = 0  # tokens of paths aborted before they finished
     propose_rows: int = 0   # rows passed to the drafter, over all calls
     propose_s: float = 0.0  # drafter wall time
     call_us_per_row: list = field(default_factory=list, repr=False)  # per propose call
+    step_rows: list = field(default_factory=list, repr=False)  # batch size per verified step
+    step_drafted: list = field(default_factory=list, repr=False)  # draft tokens per step
 
     @property
     def median_us_per_row(self) -> float:
@@ -58,7 +65,8 @@ class ReplayStats:
 
     def summary(self) -> dict:
         out = asdict(self)
-        del out["call_us_per_row"]
+        for key in ("call_us_per_row", "step_rows", "step_drafted"):
+            del out[key]
         return {**out, "tau": self.tau, "acceptance": self.acceptance,
                 "drafts_per_step": self.drafts_per_step, "us_per_row": self.us_per_row,
                 "median_us_per_row": self.median_us_per_row}
@@ -76,10 +84,11 @@ class ReplayBatch:
 
 
 class _Row:
-    __slots__ = ("req_id", "problem", "seq", "n", "done")
+    __slots__ = ("req_id", "problem", "path", "seq", "n", "done")
 
-    def __init__(self, req_id: str, problem: int, seq: list[int], n: int):
-        self.req_id, self.problem, self.seq, self.n, self.done = req_id, problem, seq, n, False
+    def __init__(self, problem: int, path: int, seq: list[int], n: int):
+        self.req_id = f"{problem}-{path}"
+        self.problem, self.path, self.seq, self.n, self.done = problem, path, seq, n, False
 
 
 class _Admission:
@@ -106,7 +115,7 @@ class _Admission:
             self.scouts_left[p] = first if first < n else 0
         return self.opening.popleft() if self.opening else None
 
-    def finished(self, p: int) -> None:
+    def finished(self, p: int, s: int) -> None:
         if self.scouts_left.get(p, 0) > 0:
             self.scouts_left[p] -= 1
             if self.scouts_left[p] == 0:
@@ -115,14 +124,15 @@ class _Admission:
 
 
 def replay(problems: list[Problem], drafter, method: str, k: int, max_rows: int,
-           scouts: int = 0, progress=None, on_step=None) -> ReplayStats:
-    """``on_step(stats)``, if given, is called after every verified step."""
+           scouts: int = 0, progress=None, on_step=None, admission=None) -> ReplayStats:
+    """``on_step(stats)``, if given, is called after every verified step.
+    ``admission``: the order paths enter (default: all at once, or scouts)."""
     if max_rows < 1 or k < 0:
         raise ValueError("need max_rows >= 1 and k >= 0")
     max_len = max(len(p.prompt) + max(map(len, p.completions)) for p in problems) + k + 2
     batch = ReplayBatch(max_rows, max_len)
     stats = ReplayStats(method, scouts)
-    admission = _Admission(problems, scouts)
+    admission = admission or _Admission(problems, scouts)
     rows: list[_Row] = []
     sampled: list[list[int]] = []
 
@@ -136,7 +146,7 @@ def replay(problems: list[Problem], drafter, method: str, k: int, max_rows: int,
             p, s = nxt
             prob = problems[p]
             seq = prob.prompt + prob.completions[s]
-            row = _Row(f"{p}-{s}", p, seq, len(prob.prompt) + 1)
+            row = _Row(p, s, seq, len(prob.prompt) + 1)
             i = len(rows)
             rows.append(row)
             sampled.append([seq[row.n - 1]])
@@ -157,7 +167,10 @@ def replay(problems: list[Problem], drafter, method: str, k: int, max_rows: int,
         if any(r.done for r in rows):
             _condense(rows, sampled, drafts, batch, set_row)
 
+        drafted = 0
         for i, row in enumerate(rows):
+            if row.done:
+                continue  # aborted earlier this step
             draft = list(drafts[i])[:k]
             future = row.seq[row.n:row.n + len(draft)]
             acc = 0
@@ -170,13 +183,19 @@ def replay(problems: list[Problem], drafter, method: str, k: int, max_rows: int,
             sampled[i] = new
             stats.row_steps += 1
             stats.tokens += len(new)
-            stats.drafted += len(draft)
+            drafted += len(draft)
             stats.accepted += acc
             if row.n >= len(row.seq):
                 row.done = True
-                admission.finished(row.problem)
+                for p, s in admission.finished(row.problem, row.path) or ():
+                    j = batch.req_id_to_index[f"{p}-{s}"]
+                    rows[j].done = True
+                    stats.aborted_tokens += rows[j].n - int(batch.num_prompt_tokens[j])
                 if progress is not None:
                     progress.update(1)
+        stats.drafted += drafted
+        stats.step_rows.append(len(rows))
+        stats.step_drafted.append(drafted)
         if on_step is not None:
             on_step(stats)
     return stats

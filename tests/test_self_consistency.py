@@ -207,7 +207,7 @@ def test_waves_run_in_order_and_pipeline_across_problems():
     table = [[(str(p), 2 + k) for k in range(8)] for p in range(3)]
     engine = FakeEngine(script_from(table), slots=4)
     res = run_paths(engine, ["a", "b", "c"], params_factory(), n=8,
-                    schedule=Schedule(waves=(2, 2, "rest"), capacity=4))
+                    schedule=Schedule(waves=(2, 2, "rest"), capacity=4, fill_idle=False))
     order, done = adds(engine), finishes(engine)
     for p in range(3):
         mine = [k for q, k in order if q == p]
@@ -224,6 +224,21 @@ def test_waves_run_in_order_and_pipeline_across_problems():
     assert sorted(done) == [(p, k) for p in range(3) for k in range(8)]
     assert all(r.answer == str(r.index) and len(r.samples) == 8 and r.waves == 3 for r in res)
     assert res.engine_steps > 0 and 0 < res.batch_fill <= 1
+
+
+
+def test_idle_fill_starts_later_waves_on_free_rows():
+    # one problem, 8 paths in waves 2, 2, rest on 8 rows: strictly 3 waves in
+    # a row; with idle fill every wave starts at once (no stop rule: all finish)
+    table = [[("1", 2 + k) for k in range(8)]]
+    runs = {}
+    for fill in (False, True):
+        engine = FakeEngine(script_from(table), slots=8)
+        runs[fill] = run_paths(engine, ["q"], params_factory(), n=8,
+                               schedule=Schedule(waves=(2, 2, "rest"), capacity=8, fill_idle=fill))
+    assert runs[True].engine_steps < runs[False].engine_steps
+    assert runs[True].batch_fill > runs[False].batch_fill
+    assert all(len(r[0].samples) == 8 and r[0].answer == "1" for r in runs.values())
 
 
 def test_batch_fill_is_mean_inflight_over_capacity():
@@ -519,10 +534,17 @@ def _check_real_engine(llm, self_consistency):
     # every path "agrees": a whole first wave of 3 decides the vote, the 4th never starts
     same = Voting(extract=lambda text: "same")
     agree = self_consistency(llm, probs, n=4, max_tokens=12, temperature=1.0, voting=same,
-                             early_stop="decided", schedule=Schedule(waves=(3, "rest")))
+                             early_stop="decided", schedule=Schedule(waves=(3, "rest"), fill_idle=False))
     for r in agree:
         assert r.stopped_early and r.answer == "same" and r.agreement == 1.0
         assert len(r.samples) == 3 and r.num_aborted == 1 and r.aborted_tokens == 0
+
+    # idle fill: the 8 rows take both 4th paths at once; each is aborted when its wave decides
+    filled = self_consistency(llm, probs, n=4, max_tokens=12, temperature=1.0, voting=same,
+                              early_stop="decided", schedule=Schedule(waves=(3, "rest")))
+    for r in filled:
+        assert r.stopped_early and r.answer == "same"
+        assert len(r.samples) + r.num_aborted == 4 and r.num_aborted <= 1
 
     # checked after every path (all at once): the 4th is aborted, its tokens counted
     per_path = self_consistency(llm, probs, n=4, max_tokens=12, temperature=1.0, voting=same,

@@ -153,7 +153,7 @@ def test_pipelining_keeps_the_batch_full_until_the_tail():
 def test_each_wave_waits_for_the_whole_previous_wave():
     rng = random.Random(1)
     lengths = [[rng.randint(1, 9) for _ in range(8)] for _ in range(6)]
-    schedule = Schedule(waves=(1, 3, REST), capacity=5)
+    schedule = Schedule(waves=(1, 3, REST), capacity=5, fill_idle=False)
     plan = PathPlanner(6, 8, schedule)
     sent_at: dict[tuple[int, int], int] = {}
     finished_at: dict[tuple[int, int], int] = {}
@@ -225,8 +225,8 @@ def test_path_check_aborts_the_running_paths_of_a_stopped_problem():
     def check(p, answers, remaining):  # stop problem 0 once it has 2 answers
         return p == 0 and len(answers) == 2
 
-    plan = PathPlanner(2, n=6, schedule=Schedule(waves=(4, REST), capacity=6, check="path"),
-                       stop_check=check)
+    plan = PathPlanner(2, n=6, schedule=Schedule(waves=(4, REST), capacity=6, check="path",
+                                                 fill_idle=False), stop_check=check)
     assert plan.admit() == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1)]
     # one answer: no stop yet; the freed row goes to problem 1's first wave
     assert plan.on_finish(0, 1, "a") == ([(1, 2)], [])
@@ -250,3 +250,59 @@ def test_nothing_remaining_means_no_check():
     plan = PathPlanner(1, n=2, stop_check=lambda *a: pytest.fail("checked with nothing left"))
     simulate(plan, [[1, 1]])
     assert plan.all_done and not plan.stopped
+
+
+# ---------------------------------------------------------------------------
+# Filling idle rows at the tail
+# ---------------------------------------------------------------------------
+
+
+def test_idle_rows_start_later_waves_once_every_problem_is_admitted():
+    plan = PathPlanner(2, n=6, schedule=Schedule(waves=(2, 2, REST), capacity=6))
+    # both first waves, then the rows left start second waves, oldest first
+    assert plan.admit() == [(0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (0, 3)]
+    strict = PathPlanner(2, n=6, schedule=Schedule(waves=(2, 2, REST), capacity=6, fill_idle=False))
+    assert strict.admit() == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # while new problems wait, they get the free rows instead
+    busy = PathPlanner(5, n=6, schedule=Schedule(waves=(2, 2, REST), capacity=6))
+    assert busy.admit() == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+
+
+def test_early_waves_do_not_enter_an_earlier_waves_vote_and_stop_aborts_them():
+    seen = []
+
+    def check(p, answers, remaining):
+        seen.append((list(answers), remaining))
+        return answers == ["a", "a"]
+
+    plan = PathPlanner(1, n=6, schedule=Schedule(waves=(2, 2, REST), capacity=4), stop_check=check)
+    assert plan.admit() == [(0, 0), (0, 1), (0, 2), (0, 3)]
+    assert plan.on_finish(0, 2, "b") == ([(0, 4)], [])  # wave 1 path first: no vote due yet
+    assert plan.on_finish(0, 0, "a") == ([(0, 5)], [])
+    assert seen == []
+    submit, abort = plan.on_finish(0, 1, "a")  # wave 0 done: its vote alone, 4 remaining
+    assert seen == [(["a", "a"], 4)]
+    assert submit == [] and abort == [(0, 3), (0, 4), (0, 5)]
+    assert plan.stopped == {0} and plan.all_done and plan.num_inflight == 0
+
+
+def test_waves_are_checked_in_order_when_a_later_one_finishes_first():
+    seen = []
+    plan = PathPlanner(1, n=6, schedule=Schedule(waves=(2, 2, REST), capacity=6),
+                       stop_check=lambda p, a, r: seen.append((len(a), r)) or False)
+    assert len(plan.admit()) == 6
+    for k in (2, 3, 4, 0):
+        plan.on_finish(0, k, "x")
+    assert seen == []
+    plan.on_finish(0, 1, "x")  # waves 0 and 1 both complete now: two votes, in order
+    assert seen == [(2, 4), (4, 2)]
+    plan.on_finish(0, 5, "x")
+    assert plan.all_done and not plan.stopped
+
+
+def test_fill_idle_is_validated_and_described():
+    with pytest.raises(ValueError, match="fill_idle"):
+        Schedule(fill_idle=1)
+    assert Schedule(waves=(4,), fill_idle=False).describe() == "4+no-fill"
+    assert Schedule(waves=(4,)).may_abort and not Schedule(waves=(4,), fill_idle=False).may_abort
+    assert not ALL_AT_ONCE.may_abort and Schedule(waves=(REST,), check="path").may_abort

@@ -191,7 +191,7 @@ def run_paths(
     ``step()``, ``abort_request(ids)`` and ``has_unfinished_requests()``, as
     ``vllm.LLM().llm_engine`` has.  ``make_params(problem, path)`` builds the
     sampling params; ``delta`` says whether they ask for DELTA outputs (needed
-    to count the tokens of aborted paths; only ``check="path"`` aborts).
+    to count the tokens of aborted paths; see ``Schedule.may_abort``).
     ``schedule`` (default: see :func:`resolve_schedule`) sets waves and
     capacity; ``stop_rule`` (None: never stop early) is asked with the
     unweighted answers.  ``on_problem_done(problem)`` is called once per

@@ -154,7 +154,7 @@ def self_consistency(
             schedule = dataclasses.replace(schedule, capacity=capacity)
     # DELTA outputs let us count the tokens of paths we abort; only per-path
     # checks abort, so whole-wave runs ask for the cheaper final outputs.
-    delta = stop_rule is not None and schedule.check == "path"
+    delta = stop_rule is not None and schedule.may_abort
     kind = RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY
 
     def make_params(p: int, k: int):

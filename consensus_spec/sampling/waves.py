@@ -14,6 +14,7 @@ that drives a real engine through it is :func:`consensus_spec.sampling.engine_lo
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -40,6 +41,12 @@ class Schedule:
     sample, while paths finishing one by one arrive shortest first), so
     nothing of a problem is running when it stops; ``"path"`` checks after
     every finished path and aborts the stopped problem's running paths.
+    ``fill_idle``: once every problem has been admitted, rows that would sit
+    idle start the next waves of running problems early (oldest first, one
+    wave each per pass); the vote is still taken wave by wave, and paths of
+    a problem that stops are aborted.  It trades a few tokens for the tail of
+    a run: without it, the last problems' waves run one after another on a
+    nearly empty batch.
 
     Default waves ``(4,)``, waves of 4 (at n=16: checks after 4, 8 and 12
     paths).  The default :class:`~consensus_spec.sampling.stopping.StopRule`
@@ -58,6 +65,7 @@ class Schedule:
     waves: tuple[int | str, ...] = DEFAULT_WAVES
     capacity: int | None = None
     check: str = "wave"
+    fill_idle: bool = True
 
     def __post_init__(self) -> None:
         waves = self.waves
@@ -78,6 +86,8 @@ class Schedule:
             raise ValueError(f"Schedule.capacity must be None or an int >= 1, got {cap!r}")
         if self.check not in CHECKS:
             raise ValueError(f"Schedule.check must be one of {CHECKS}, got {self.check!r}")
+        if not isinstance(self.fill_idle, bool):
+            raise ValueError(f"Schedule.fill_idle must be a bool, got {self.fill_idle!r}")
 
     @classmethod
     def parse(cls, spec: str, **kwargs) -> "Schedule":
@@ -104,9 +114,16 @@ class Schedule:
     def all_at_once(self) -> bool:
         return self.waves == (REST,)
 
+    @property
+    def may_abort(self) -> bool:
+        """Whether a stop can find paths of the problem still running."""
+        return self.check == "path" or (self.fill_idle and not self.all_at_once)
+
     def describe(self) -> str:
         """``"4,4,rest"``, ``"all"``; ``"+path-check"`` when checking every path."""
         text = "all" if self.all_at_once else ",".join(str(w) for w in self.waves)
+        if not self.fill_idle and not self.all_at_once:
+            text += "+no-fill"
         return text + ("+path-check" if self.check == "path" else "")
 
 
@@ -116,15 +133,17 @@ StopCheck = Callable[[int, list, int], bool]
 
 
 class _Problem:
-    __slots__ = ("sizes", "wave", "opened", "next_path", "inflight", "answers")
+    __slots__ = ("wave", "opened", "next_path", "inflight", "answers", "paths", "left", "checked")
 
     def __init__(self, sizes: list[int]):
-        self.sizes = sizes
         self.wave = 0  # index of the last opened wave
         self.opened = sizes[0]  # paths [0, opened) may be submitted
         self.next_path = 0  # next path to submit
         self.inflight: set[int] = set()
         self.answers: list[Any] = []  # finished paths' answers, in finishing order
+        self.paths: list[int] = []  # the paths those answers came from
+        self.left = list(sizes)  # unfinished paths per wave
+        self.checked = 0  # the next wave whose stop vote is due
 
 
 class PathPlanner:
@@ -134,10 +153,14 @@ class PathPlanner:
     0..sizes[0]-1, and so on).  :meth:`admit` fills free capacity: first the
     opened-but-unsent paths of admitted problems, oldest problem first, then
     new problems in order (a wave may go out in parts when few rows are free;
-    it still counts as one wave).  :meth:`on_finish` records a finished path
-    and, at a wave boundary (or after every path with ``check="path"``), asks
-    ``stop_check(problem, answers_in_finishing_order, remaining)``; a stopped
-    problem opens no more waves and its running paths are returned to abort.
+    it still counts as one wave), then, with ``schedule.fill_idle`` and no new
+    problem left, the next waves of running problems, one wave per problem
+    per pass, oldest first.  :meth:`on_finish` records a finished path; once
+    every path of wave w has finished it asks ``stop_check(problem, answers,
+    remaining)`` with the answers of waves 0..w in finishing order (a wave
+    opened early and finishing first does not bias that vote to its short
+    paths), or after every path with ``check="path"``; a stopped problem
+    opens no more waves and its running paths are returned to abort.
     """
 
     def __init__(self, num_problems: int, n: int, schedule: Schedule | None = None,
@@ -151,31 +174,37 @@ class PathPlanner:
         self.capacity = self.schedule.capacity
         self.stop_check = stop_check
         self.sizes = self.schedule.sizes(n)
+        self.ends = [sum(self.sizes[:i + 1]) for i in range(len(self.sizes))]
         self.problems: dict[int, _Problem] = {}
         self.next_problem = 0
         self.num_inflight = 0
         self.stopped: set[int] = set()
         self._ready: list[int] = []  # heap of admitted problems with unsent opened paths
+        self._unopened: dict[int, None] = {}  # admitted, running problems with waves to open
         self._num_done = 0
 
     # -- events ---------------------------------------------------------------
 
     def admit(self) -> list[tuple[int, int]]:
         """Paths to submit now to fill the free capacity."""
-        out: list[tuple[int, int]] = []
-        while self._ready and self._free() > 0:
-            p = self._ready[0]
-            st = self.problems[p]
-            out += self._send(p, st, self._free())
-            if st.next_path == st.opened:
-                heapq.heappop(self._ready)
+        out = self._send_ready()
         while self.next_problem < self.num_problems and self._free() > 0:
             p = self.next_problem
             self.next_problem += 1
             st = self.problems[p] = _Problem(self.sizes)
+            if len(self.sizes) > 1:
+                self._unopened[p] = None
             out += self._send(p, st, self._free())
             if st.next_path < st.opened:
                 heapq.heappush(self._ready, p)
+        if self.schedule.fill_idle and self.capacity is not None \
+                and self.next_problem == self.num_problems:  # unbounded: no rows idle
+            while self._free() > 0 and self._unopened:
+                for p in list(self._unopened):  # one wave each, oldest first
+                    if self._free() <= 0:
+                        break
+                    self._open_next(p)
+                out += self._send_ready()
         return out
 
     def on_finish(self, p: int, path: int, answer: Any) -> tuple[list, list]:
@@ -186,25 +215,58 @@ class PathPlanner:
         st.inflight.discard(path)
         self.num_inflight -= 1
         st.answers.append(answer)
+        st.paths.append(path)
+        st.left[bisect.bisect_right(self.ends, path)] -= 1
         finished = len(st.answers)
-        remaining = self.n - finished
-        wave_done = finished == st.opened
-        abort: list[tuple[int, int]] = []
-        if remaining and (wave_done or self.schedule.check == "path") and \
-                self.stop_check is not None and self.stop_check(p, list(st.answers), remaining):
+        if finished == self.n:
+            self._num_done += 1
+            self._unopened.pop(p, None)
+            return self.admit(), []
+        if self._vote_says_stop(p, st):
             abort = [(p, k) for k in sorted(st.inflight)]
             self.num_inflight -= len(abort)
             st.inflight.clear()
             st.opened = st.next_path  # nothing more to send
             self.stopped.add(p)
             self._num_done += 1
-        elif wave_done and remaining:
-            st.wave += 1
-            st.opened += st.sizes[st.wave]
-            heapq.heappush(self._ready, p)
-        elif not remaining:
-            self._num_done += 1
-        return self.admit(), abort
+            self._unopened.pop(p, None)
+            return self.admit(), abort
+        if st.checked > st.wave or (self.schedule.check == "path" and finished == st.opened):
+            self._open_next(p)  # every opened wave finished: the next one is due
+        return self.admit(), []
+
+    def _vote_says_stop(self, p: int, st: _Problem) -> bool:
+        """Take the votes now due; advances ``st.checked`` past finished waves."""
+        check = self.stop_check
+        if self.schedule.check == "path":
+            return check is not None and check(p, list(st.answers), self.n - len(st.answers))
+        while st.checked <= st.wave and st.left[st.checked] == 0:
+            upto = self.ends[st.checked]
+            st.checked += 1
+            if check is not None and upto < self.n and \
+                    check(p, [a for k, a in zip(st.paths, st.answers) if k < upto], self.n - upto):
+                return True
+        return False
+
+    def _open_next(self, p: int) -> None:
+        st = self.problems[p]
+        if st.wave + 1 >= len(self.sizes):
+            return
+        st.wave += 1
+        st.opened += self.sizes[st.wave]
+        heapq.heappush(self._ready, p)
+        if st.wave + 1 >= len(self.sizes):
+            self._unopened.pop(p, None)
+
+    def _send_ready(self) -> list[tuple[int, int]]:
+        out: list[tuple[int, int]] = []
+        while self._ready and self._free() > 0:
+            p = self._ready[0]
+            st = self.problems[p]
+            out += self._send(p, st, self._free())
+            if st.next_path == st.opened:
+                heapq.heappop(self._ready)
+        return out
 
     # -- state ----------------------------------------------------------------
 

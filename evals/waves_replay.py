@@ -1,0 +1,294 @@
+"""Adaptive self-consistency with drafting, replayed: time to all answers.
+
+    python -m evals waves [--traces FILE ...] [--rows 64] [--waves 4]
+                          [--early-stop on] [--orders 3] [--limit N]
+
+Each trace set runs four ways through the replay (:mod:`evals.replay`), the
+engine's batch capped at ``--rows`` paths (vLLM's ``max_num_seqs``):
+
+- plain self-consistency (all N paths of a problem at once), no drafting:
+  the baseline;
+- plain, with consensus drafting and its batch-aware budget;
+- waves with the stop rule (the same :class:`~consensus_spec.sampling.waves.PathPlanner`
+  that ``self_consistency`` drives), no drafting;
+- waves with the stop rule and consensus drafting.
+
+A path's answer is the recorded completion's extracted answer, so the vote
+after each wave is the one the engine would take.  Reported per run: paths
+and tokens used, agreement with the full-N vote, gold maj accuracy, engine
+steps, batch fill, τ, and the **projected** H200 time to all answers: each
+replayed step costs ``T(B, 1 + d/B)`` from the measured step-cost table at
+that step's own batch size B and draft tokens d, plus the drafter's CPU time
+measured here for that step.  Async-aware: with ``--host-time``, runs without
+drafting hide the host time behind the step (async scheduling) and drafting
+runs pay it serially.  A projection, not a GPU measurement.
+
+``--orders``: the recorded path order and seeded shuffles of it (stopping
+depends on which answers come first); figures are given as mean and range.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from collections import deque
+from dataclasses import replace
+
+from .cli import parse_options
+from .drafters import make_drafter
+from .projection import run_ms
+from .replay import replay
+from .replay_bench import CpuTimed, DEFAULT_HOST_TIME, load_tables
+from .stopping import SKIP, load_vote_traces
+from .traces import Problem, TraceError, load_problems, load_tokenizer, shared_path
+
+DEFAULT_TRACES = ("gsm8k_qwen3_4b_n8.jsonl", "addsub_codex002_n40.jsonl")
+METHODS = ("none", "consensus")
+
+
+class WaveAdmission:
+    """Paths enter the replay as a PathPlanner releases them."""
+
+    def __init__(self, planner, class_ids: list[list[int | None]]):
+        self.planner, self.class_ids = planner, class_ids
+        self.queue = deque(planner.admit())
+
+    def pop(self):
+        return self.queue.popleft() if self.queue else None
+
+    def finished(self, p: int, path: int) -> list[tuple[int, int]]:
+        """Paths to abort that are running (those still queued are dropped)."""
+        submit, abort = self.planner.on_finish(p, path, self.class_ids[p][path])
+        self.queue.extend(submit)
+        if not abort:
+            return []
+        queued = set(self.queue) & set(abort)
+        if queued:
+            self.queue = deque(x for x in self.queue if x not in queued)
+        return [x for x in abort if x not in queued]
+
+
+def paired_sets(path: str, tokenizer, limit: int | None):
+    """(problems, class ids per path, gold-correct per class or None, n): the
+    problems of one trace file that have exactly the set's usual N
+    completions (others are reported and left out)."""
+    problems = load_problems(path, tokenizer, limit=limit, log=lambda m: print(m, file=sys.stderr))
+    votes = {v.id: v for v in load_vote_traces(path, tokenizer, limit=limit)}
+    counts: dict[int, int] = {}
+    for p in problems:
+        counts[len(p.completions)] = counts.get(len(p.completions), 0) + 1
+    n = max(counts, key=counts.get)
+    kept = [p for p in problems if len(p.completions) == n and p.id in votes]
+    if len(kept) < len(problems):
+        print(f"{os.path.basename(path)}: left out {len(problems) - len(kept)} problems without "
+              f"exactly {n} completions", file=sys.stderr)
+    return kept, [votes[p.id].ids for p in kept], [votes[p.id].correct for p in kept], n
+
+
+def shuffled(problems: list[Problem], ids, order: int):
+    """Path order ``order`` (0: as recorded; else a seeded shuffle per problem)."""
+    if order == 0:
+        return problems, ids
+    rng = random.Random(order)
+    out_p, out_i = [], []
+    for prob, cls in zip(problems, ids):
+        idx = list(range(len(cls)))
+        rng.shuffle(idx)
+        out_p.append(replace(prob, completions=[prob.completions[i] for i in idx]))
+        out_i.append([cls[i] for i in idx])
+    return out_p, out_i
+
+
+def winner(ids) -> int | None:
+    from consensus_spec.sampling.stopping import tally
+    ranked = tally(ids)
+    return ranked[0][0] if ranked else None
+
+
+def run_one(problems, ids, correct, n, method, schedule, rule, args, options):
+    """One replay; returns a result row (projection added by the caller)."""
+    from consensus_spec.sampling.stopping import should_stop_ids
+    from consensus_spec.sampling.waves import PathPlanner
+
+    def check(p, answers, remaining):
+        return should_stop_ids(answers, remaining, rule)
+
+    planner = PathPlanner(len(problems), n, schedule, check if rule is not None else None)
+    max_len = max(len(p.prompt) + max(map(len, p.completions)) for p in problems) + args.k + 2
+    drafter = CpuTimed(make_drafter(method, args.k, max_len, args.rows, options))
+    t0 = time.perf_counter()
+    stats = replay(problems, drafter, method, args.k, args.rows, admission=WaveAdmission(planner, ids))
+    wall = time.perf_counter() - t0
+    used = agree = right = 0
+    tokens = stats.aborted_tokens
+    for p, prob in enumerate(problems):
+        done = sorted(planner.problems[p].paths)  # finished paths; aborted ones are not voted
+        used += len(done)
+        tokens += sum(len(prob.completions[k]) for k in done)
+        got = winner([ids[p][k] for k in done])
+        agree += got == winner(ids[p])
+        right += bool(correct[p] is not None and got is not None and correct[p][got])
+    steps = sum(1 for b in stats.step_rows if b)
+    total_tokens = sum(len(c) for prob in problems for c in prob.completions)
+    drafter_ms = [us * b / 1000.0 for us, b in zip(drafter.per_call, stats.step_rows)] \
+        if method != "none" else None
+    return {
+        "method": method, "waves": schedule.describe(), "early_stop": rule.describe() if rule else "off",
+        "problems": len(problems), "n": n, "paths_per_problem": used / len(problems),
+        "aborted_tokens": stats.aborted_tokens,
+        "tokens": tokens, "tokens_share": tokens / total_tokens, "agreement": agree / len(problems),
+        "gold_maj": right / len(problems) if any(c is not None for c in correct) else None,
+        "steps": steps, "batch_fill": sum(stats.step_rows) / max(steps, 1) / args.rows,
+        "schedule": schedule.describe(), "tau": stats.tau, "drafts_per_step": stats.drafts_per_step,
+        "cpu_us_per_row": drafter.us_per_row, "replay_wall_s": wall,
+        "_steps": (stats.step_rows, stats.step_drafted, drafter_ms),
+    }
+
+
+def project(row: dict, costs, host) -> None:
+    rows, drafted, drafter_ms = row.pop("_steps")
+    row["projected_s"] = run_ms(costs, rows, drafted, drafter_ms) / 1000.0
+    if host is not None:
+        row["projected_async_s"] = run_ms(costs, rows, drafted, drafter_ms, host,
+                                          hide_host=drafter_ms is None) / 1000.0
+
+
+def parse_args(argv=None):
+    from .math_configs import UsageError, parse_early_stop
+
+    ap = argparse.ArgumentParser(prog="python -m evals waves", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--traces", nargs="+", help="trace files (default: gsm8k and addsub)")
+    ap.add_argument("--rows", type=int, default=64, help="paths in flight at most (max_num_seqs)")
+    ap.add_argument("--waves", default="4", help="wave sizes, e.g. 4 or 1,2,4,rest")
+    ap.add_argument("--early-stop", default="on", help="stop rule: on (the default rule), decided, "
+                    "predictive:0.05, beta:0.05, window:4, margin:3")
+    ap.add_argument("--fill", choices=("on", "off", "both"), default="on",
+                    help="Schedule.fill_idle: idle rows start later waves early at the tail")
+    ap.add_argument("--orders", type=int, default=3, help="path orders: recorded + seeded shuffles")
+    ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
+    ap.add_argument("--limit", type=int, help="first N problems of each set")
+    ap.add_argument("--tokenizer", help="tokenizer.json (default: shared GPT-2)")
+    ap.add_argument("--costs", default=shared_path("costs", "h200_qwen2.5-7b_step_ms.jsonl"))
+    ap.add_argument("--host-time", default=DEFAULT_HOST_TIME,
+                    help="host ms per step (python -m evals host-time); 'none' to leave it out")
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="consensus drafter option (repeatable)")
+    ap.add_argument("--out", default="results/waves", help="output prefix (.json and .md)")
+    args = ap.parse_args(argv)
+    if args.rows < 1 or args.orders < 1 or args.k < 1 or (args.limit is not None and args.limit < 1):
+        ap.error("--rows, --orders, --k and --limit must be >= 1")
+    from consensus_spec.sampling.waves import Schedule
+    try:
+        fills = {"on": (True,), "off": (False,), "both": (True, False)}[args.fill]
+        args.schedules = [Schedule.parse(args.waves, capacity=args.rows, fill_idle=f) for f in fills]
+        (args.rule,) = parse_early_stop([args.early_stop])
+    except (ValueError, UsageError) as e:
+        ap.error(str(e))
+    return args
+
+
+def configs(args):
+    from consensus_spec.sampling.waves import Schedule
+    plain = Schedule(waves=("rest",), capacity=args.rows)
+    return [(plain, None, m) for m in METHODS] + \
+        [(schedule, args.rule, m) for schedule in args.schedules for m in METHODS]
+
+
+def run(args) -> list[dict]:
+    tokenizer = load_tokenizer(args.tokenizer)
+    costs, host = load_tables(args)
+    if costs is None:
+        raise FileNotFoundError(f"step-cost table not found: {args.costs}")
+    options = parse_options(args.option)
+    out = []
+    for path in args.traces or [shared_path("traces", t) for t in DEFAULT_TRACES]:
+        name = os.path.basename(path)
+        if name in SKIP:
+            print(f"{name}: skipped: {SKIP[name]}", file=sys.stderr)
+            continue
+        problems, ids, correct, n = paired_sets(path, tokenizer, args.limit)
+        # load compiled code before anything is timed
+        run_one(problems[:1], ids[:1], correct[:1], n, "consensus", *configs(args)[1][:2], args, options)
+        for order in range(args.orders):
+            probs, order_ids = shuffled(problems, ids, order)
+            for schedule, rule, method in configs(args):
+                row = run_one(probs, order_ids, correct, n, method, schedule, rule, args, options)
+                row.update(traces=name.removesuffix(".jsonl"), order=order, rows=args.rows)
+                project(row, costs, host)
+                print(f"  {row['traces']} order {order} {method} waves={row['waves']} "
+                      f"es={row['early_stop']}: tau {row['tau']:.2f}, tokens {row['tokens_share']:.3f}, "
+                      f"{row['projected_s']:.2f} s projected", file=sys.stderr, flush=True)
+                out.append(row)
+    for row in out:  # speedups against the same set and order's plain run without drafting
+        base = next(r for r in out if r["traces"] == row["traces"] and r["order"] == row["order"]
+                    and r["method"] == "none" and r["early_stop"] == "off")
+        row["speedup"] = base["projected_s"] / row["projected_s"]
+        if "projected_async_s" in row:
+            row["speedup_async"] = base["projected_async_s"] / row["projected_async_s"]
+    return out
+
+
+def _span(vals, fmt: str) -> str:
+    vals = [v for v in vals if v is not None]
+    if not vals:
+        return "–"
+    mean = sum(vals) / len(vals)
+    if len(vals) == 1 or max(vals) - min(vals) < 10 ** -6:
+        return format(mean, fmt)
+    return f"{format(mean, fmt)} ({format(min(vals), fmt)}–{format(max(vals), fmt)})"
+
+
+def markdown(rows: list[dict], args, host) -> str:
+    lines = [f"Projected H200 time to all answers (Qwen2.5-7B step costs, {args.rows} rows) over "
+             "plain self-consistency without drafting, from replayed traces: a projection from "
+             "measured GPU step costs and drafter CPU time measured here, not a GPU measurement. "
+             f"Mean (min–max) over {args.orders} path order(s)."
+             + (f" Async-aware: host time per step from {host.source}; no-drafting runs keep async "
+                "scheduling." if host is not None else "")]
+    for name in dict.fromkeys(r["traces"] for r in rows):
+        group = [r for r in rows if r["traces"] == name]
+        first = group[0]
+        lines += ["", f"#### {name} ({first['problems']} problems, n={first['n']})", "",
+                  "| schedule | drafting | paths/problem | tokens | agree w/ full-N | gold maj | steps | "
+                  "batch fill | τ | projected s | speedup | speedup async-aware |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for key in dict.fromkeys((r["waves"], r["early_stop"], r["method"]) for r in group):
+            rs = [r for r in group if (r["waves"], r["early_stop"], r["method"]) == key]
+            sched = "all at once" if key[0] == "all" else f"waves {key[0]}, {key[1]}"
+            lines.append(
+                f"| {sched} | {key[2]} | {_span([r['paths_per_problem'] for r in rs], '.2f')} | "
+                f"{_span([r['tokens_share'] for r in rs], '.1%')} | "
+                f"{_span([r['agreement'] for r in rs], '.1%')} | {_span([r['gold_maj'] for r in rs], '.3f')} | "
+                f"{_span([r['steps'] for r in rs], '.0f')} | {_span([r['batch_fill'] for r in rs], '.2f')} | "
+                f"{_span([r['tau'] for r in rs], '.2f')} | {_span([r['projected_s'] for r in rs], '.1f')} | "
+                f"**{_span([r['speedup'] for r in rs], '.2f')}** | "
+                f"{_span([r.get('speedup_async') for r in rs], '.2f')} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        rows = run(args)
+        host = load_tables(args, quiet=True)[1]
+    except (TraceError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    table = markdown(rows, args, host)
+    print(table)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    saved = {k: v for k, v in vars(args).items() if k not in ("schedules", "rule")}
+    with open(args.out + ".json", "w") as f:
+        json.dump({"args": saved, "results": rows}, f, indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write(table + "\n")
+    print(f"wrote {args.out}.json and {args.out}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
