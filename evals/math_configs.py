@@ -52,7 +52,8 @@ def early_stop_label(rule) -> str:
 
 
 def parse_waves(values: list[str] | None) -> list:
-    """``--waves`` values -> list of "auto" or wave tuples."""
+    """``--waves`` values -> list of "auto" or :class:`Schedule` (its waves and
+    ``fill_idle``; capacity and check come from their own flags)."""
     from consensus_spec.sampling.waves import Schedule
 
     out = []
@@ -61,9 +62,9 @@ def parse_waves(values: list[str] | None) -> list:
             out.append("auto")
             continue
         try:
-            out.append(Schedule.parse(v).waves)
+            out.append(Schedule.parse(v))
         except ValueError as e:
-            raise UsageError(f"--waves expects auto, all or sizes like 4,4,rest: {v!r} ({e})")
+            raise UsageError(f"--waves expects auto, all or sizes like 4,4,rest (+no-fill): {v!r} ({e})")
     return list(dict.fromkeys(out))
 
 
@@ -77,12 +78,13 @@ def build_configs(args) -> list[tuple]:
     for n in args.n:
         for waves in args.waves:
             for rule in args.early_stop:
+                fill = True
                 if waves == "auto":
                     waves_here = Schedule().waves if rule is not None else (REST,)
                 else:
-                    waves_here = waves
+                    waves_here, fill = waves.waves, waves.fill_idle
                 check = args.check if rule is not None else "wave"
-                schedule = Schedule(waves=waves_here, capacity=args.capacity, check=check)
+                schedule = Schedule(waves=waves_here, capacity=args.capacity, check=check, fill_idle=fill)
                 if rule is not None and check == "wave" and len(schedule.sizes(n)) < 2:
                     skipped.append(f"waves {schedule.describe()} with early stop "
                                    f"{rule.describe()} at n={n}")

@@ -127,7 +127,7 @@ def test_parse_args_normalises_lists(small_jsonl):
     assert args.n == [4, 16]
     assert args.methods == ["consensus", "none"]
     assert args.early_stop == [StopRule()]
-    assert args.waves == [("rest",), (1, "rest")]  # --scouts S is --waves S,rest
+    assert [s.waves for s in args.waves] == [("rest",), (1, "rest")]  # --scouts S is --waves S,rest
     assert math_eval.parse_args([]).early_stop == [None]
     assert math_eval.parse_early_stop(["off", "decided", "2", "on", "predictive:0.1", "window:5",
                                        "margin:4", "beta"]) == [
@@ -135,8 +135,10 @@ def test_parse_args_normalises_lists(small_jsonl):
         StopRule(), StopRule(error=0.1), StopRule(kind="window", window=5),
         StopRule(kind="margin", margin=4), StopRule(kind="beta")]
     assert math_eval.parse_waves(None) == ["auto"]
-    assert math_eval.parse_waves(["auto", "all", "1,2,4,rest", "4"]) == [
-        "auto", ("rest",), (1, 2, 4, "rest"), (4,)]
+    parsed = math_eval.parse_waves(["auto", "all", "1,2,4,rest", "4", "4+no-fill"])
+    assert parsed[0] == "auto"
+    assert [(s.waves, s.fill_idle) for s in parsed[1:]] == [
+        (("rest",), True), ((1, 2, 4, "rest"), True), ((4,), True), ((4,), False)]
 
 
 def test_configs_pair_plain_and_adaptive_runs():

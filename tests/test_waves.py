@@ -304,5 +304,10 @@ def test_fill_idle_is_validated_and_described():
     with pytest.raises(ValueError, match="fill_idle"):
         Schedule(fill_idle=1)
     assert Schedule(waves=(4,), fill_idle=False).describe() == "4+no-fill"
+    for schedule in (Schedule(waves=(4,), fill_idle=False), Schedule(waves=(2, REST), check="path"),
+                     Schedule(waves=(1, 2), fill_idle=False, check="path")):
+        assert Schedule.parse(schedule.describe()) == schedule  # round trip
+    with pytest.raises(ValueError, match="flag"):
+        Schedule.parse("4+eager")
     assert Schedule(waves=(4,)).may_abort and not Schedule(waves=(4,), fill_idle=False).may_abort
     assert not ALL_AT_ONCE.may_abort and Schedule(waves=(REST,), check="path").may_abort

@@ -25,6 +25,7 @@ REST = "rest"
 # Default waves: see Schedule's docstring for why.
 DEFAULT_WAVES: tuple[int | str, ...] = (4,)
 CHECKS = ("wave", "path")
+_FLAGS = {"no-fill": ("fill_idle", False), "path-check": ("check", "path")}  # describe() suffixes
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,16 @@ class Schedule:
 
     @classmethod
     def parse(cls, spec: str, **kwargs) -> "Schedule":
-        """``"4,4,rest"`` or ``"all"`` (one wave) -> Schedule (for command lines)."""
+        """``"4,4,rest"`` or ``"all"`` (one wave) -> Schedule (for command lines);
+        the suffixes :meth:`describe` writes (``+no-fill``, ``+path-check``)
+        set ``fill_idle`` and ``check``."""
         text = spec.strip().lower()
+        text, *flags = text.split("+")
+        for flag in flags:
+            if flag not in _FLAGS:
+                raise ValueError(f"unknown schedule flag +{flag}; known: "
+                                 + ", ".join("+" + f for f in _FLAGS))
+            kwargs.setdefault(*_FLAGS[flag])
         if text in ("all", REST):
             return cls(waves=(REST,), **kwargs)
         parts = [p.strip() for p in text.replace(" ", ",").split(",") if p.strip()]
