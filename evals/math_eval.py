@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "bare flag: on")
     ap.add_argument("--waves", nargs="+", metavar="SPEC",
                     help="wave sizes per problem, list ok: auto (default: all at once without "
-                         "early stop, the default waves of 4 with it), all, or e.g. 1,2,4,rest; "
+                         "early stop, the default waves (of 2) with it), all, or e.g. 1,2,4,rest; "
                          "+no-fill: idle rows do not start later waves early")
     ap.add_argument("--check", choices=("wave", "path"), default="wave",
                     help="take the stop vote after whole waves (default) or after every path "

@@ -1,7 +1,7 @@
 """Adaptive self-consistency with drafting, replayed: time to all answers.
 
-    python -m evals waves [--traces FILE ...] [--rows 64] [--waves 4]
-                          [--early-stop on] [--orders 3] [--limit N]
+    python -m evals waves [--traces FILE ...] [--rows 64] [--waves 4] [--fill on|off|both]
+                          [--early-stop on decided ...] [--orders 3] [--limit N]
 
 Each trace set runs four ways through the replay (:mod:`evals.replay`), the
 engine's batch capped at ``--rows`` paths (vLLM's ``max_num_seqs``):
@@ -9,9 +9,9 @@ engine's batch capped at ``--rows`` paths (vLLM's ``max_num_seqs``):
 - plain self-consistency (all N paths of a problem at once), no drafting:
   the baseline;
 - plain, with consensus drafting and its batch-aware budget;
-- waves with the stop rule (the same :class:`~consensus_spec.sampling.waves.PathPlanner`
+- waves with each stop rule (the same :class:`~consensus_spec.sampling.waves.PathPlanner`
   that ``self_consistency`` drives), no drafting;
-- waves with the stop rule and consensus drafting.
+- waves with each stop rule and consensus drafting.
 
 A path's answer is the recorded completion's extracted answer, so the vote
 after each wave is the one the engine would take.  Reported per run: paths
@@ -164,8 +164,9 @@ def parse_args(argv=None):
     ap.add_argument("--traces", nargs="+", help="trace files (default: gsm8k and addsub)")
     ap.add_argument("--rows", type=int, default=64, help="paths in flight at most (max_num_seqs)")
     ap.add_argument("--waves", default="4", help="wave sizes, e.g. 4 or 1,2,4,rest")
-    ap.add_argument("--early-stop", default="on", help="stop rule: on (the default rule), decided, "
-                    "predictive:0.05, beta:0.05, window:4, margin:3")
+    ap.add_argument("--early-stop", nargs="+", default=["on"],
+                    help="stop rules, list ok: on (the default rule), decided, predictive:0.05, "
+                         "beta:0.05, window:4, margin:3")
     ap.add_argument("--fill", choices=("on", "off", "both"), default="on",
                     help="Schedule.fill_idle: idle rows start later waves early at the tail")
     ap.add_argument("--orders", type=int, default=3, help="path orders: recorded + seeded shuffles")
@@ -177,7 +178,8 @@ def parse_args(argv=None):
                     help="host ms per step (python -m evals host-time); 'none' to leave it out")
     ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                     help="consensus drafter option (repeatable)")
-    ap.add_argument("--out", default="results/waves", help="output prefix (.json and .md)")
+    ap.add_argument("--out", default="results/waves", help="output prefix (.json, .md and .png)")
+    ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
     if args.rows < 1 or args.orders < 1 or args.k < 1 or (args.limit is not None and args.limit < 1):
         ap.error("--rows, --orders, --k and --limit must be >= 1")
@@ -185,7 +187,9 @@ def parse_args(argv=None):
     try:
         fills = {"on": (True,), "off": (False,), "both": (True, False)}[args.fill]
         args.schedules = [Schedule.parse(args.waves, capacity=args.rows, fill_idle=f) for f in fills]
-        (args.rule,) = parse_early_stop([args.early_stop])
+        args.rules = [r for r in parse_early_stop(args.early_stop) if r is not None]
+        if not args.rules:
+            raise ValueError("--early-stop: give at least one rule (plain runs are always included)")
     except (ValueError, UsageError) as e:
         ap.error(str(e))
     return args
@@ -195,7 +199,7 @@ def configs(args):
     from consensus_spec.sampling.waves import Schedule
     plain = Schedule(waves=("rest",), capacity=args.rows)
     return [(plain, None, m) for m in METHODS] + \
-        [(schedule, args.rule, m) for schedule in args.schedules for m in METHODS]
+        [(schedule, rule, m) for schedule in args.schedules for rule in args.rules for m in METHODS]
 
 
 def run(args) -> list[dict]:
@@ -270,6 +274,50 @@ def markdown(rows: list[dict], args, host) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[dict], path: str) -> bool:
+    """Per trace set: projected speedup against agreement with the full-N
+    vote, one colour per schedule x rule, circles without drafting and
+    squares with consensus drafting (mean over path orders, bars down to the
+    worst order)."""
+    from .math_report import _pyplot
+
+    _, plt = _pyplot()
+    if plt is None:
+        return False
+    names = list(dict.fromkeys(r["traces"] for r in rows))
+    fig, axes = plt.subplots(1, len(names), figsize=(6.2 * len(names), 4.6), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        group = [r for r in rows if r["traces"] == name]
+        schedules = list(dict.fromkeys((r["waves"], r["early_stop"]) for r in group))
+        colors = plt.get_cmap("tab10")
+        for i, (waves, rule) in enumerate(schedules):
+            label = "all at once" if waves == "all" else f"waves {waves}, {rule}"
+            xs, ys = [], []
+            for method in METHODS:
+                rs = [r for r in group if (r["waves"], r["early_stop"], r["method"]) == (waves, rule, method)]
+                if not rs:
+                    continue
+                x = sum(r["speedup"] for r in rs) / len(rs)
+                y = 100 * sum(r["agreement"] for r in rs) / len(rs)
+                low = 100 * min(r["agreement"] for r in rs)
+                ax.errorbar([x], [y], yerr=[[y - low], [0]], fmt="o" if method == "none" else "s",
+                            color=colors(i % 10), ms=7, capsize=3,
+                            label=f"{label}: {method}")
+                xs.append(x)
+                ys.append(y)
+            ax.plot(xs, ys, "-", color=colors(i % 10), lw=0.8, alpha=0.6)
+        ax.set_title(f"{name}: {group[0]['problems']} problems, n={group[0]['n']}")
+        ax.set_xlabel(f"projected H200 speedup, time to all answers ({group[0]['rows']} rows)")
+        ax.set_ylabel("% problems agreeing with the full-N vote")
+        ax.axvline(1.0, color="gray", lw=0.8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6.5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -280,8 +328,10 @@ def main(argv=None) -> int:
         return 2
     table = markdown(rows, args, host)
     print(table)
+    if not args.no_plot and plot(rows, args.out + ".png"):
+        print(f"wrote {args.out}.png")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    saved = {k: v for k, v in vars(args).items() if k not in ("schedules", "rule")}
+    saved = {k: v for k, v in vars(args).items() if k not in ("schedules", "rules")}
     with open(args.out + ".json", "w") as f:
         json.dump({"args": saved, "results": rows}, f, indent=1)
     with open(args.out + ".md", "w") as f:

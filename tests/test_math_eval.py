@@ -149,7 +149,7 @@ def test_configs_pair_plain_and_adaptive_runs():
                                  "off", "decided", "--check", "path", "--capacity", "64"])
     got = [(n, s.describe(), s.capacity, math_eval.early_stop_label(r)) for n, s, r in args.configs]
     assert got == [(n, w, 64, e) for n in (8, 16) for w, e in (
-        ("all", "off"), ("4+path-check", "decided"), ("2,rest", "off"),
+        ("all", "off"), ("2+path-check", "decided"), ("2,rest", "off"),
         ("2,rest+path-check", "decided"))]
     # all at once can only stop with per-path checks; the useless combination is skipped
     args = math_eval.parse_args(["--waves", "all", "4,rest", "--early-stop", "on"])

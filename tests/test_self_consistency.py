@@ -277,10 +277,11 @@ def test_capacity_keeps_the_batch_full_until_the_tail():
 
 def test_stop_at_wave_boundary_never_aborts():
     # problem 0 unanimous: the predictive rule stops after its first wave of 4;
-    # problem 1 split 50/50: runs all 16 paths in the default waves of 4
+    # problem 1 split 50/50: runs all 16 paths in waves of 4
     table = [[("5", 2 + k % 3) for k in range(16)], [(str(k % 2), 2 + k % 3) for k in range(16)]]
     engine = FakeEngine(script_from(table))
-    a, b = run_paths(engine, ["a", "b"], params_factory(), n=16, stop_rule=StopRule())
+    a, b = run_paths(engine, ["a", "b"], params_factory(), n=16, stop_rule=StopRule(),
+                     schedule=Schedule(waves=(4,)))
     assert a.stopped_early and len(a.samples) == 4 and a.waves == 1
     assert a.num_aborted == 12 and a.aborted_tokens == 0
     assert a.est_tokens_saved == round(12 * sum(s.num_tokens for s in a.samples) / 4)
@@ -293,7 +294,9 @@ def test_default_schedule_with_stopping_is_waves():
     table = [[("5", 2)] * 16]
     engine = FakeEngine(script_from(table))
     (r,) = run_paths(engine, ["q"], params_factory(), n=16, stop_rule=StopRule())
-    assert len(r.samples) == Schedule().sizes(16)[0] and r.stopped_early
+    # default waves of 2; the default rule's first possible stop is 4 votes of 4
+    assert Schedule().sizes(16)[0] == 2
+    assert len(r.samples) == 4 and r.waves == 2 and r.stopped_early
     # without a stop rule, everything goes out at once
     engine = FakeEngine(script_from(table))
     run = run_paths(engine, ["q"], params_factory(), n=16)

@@ -94,13 +94,15 @@ def test_command_on_shared_traces(tmp_path, capsys):
     out = tmp_path / "w"
     assert waves_replay.main(["--traces", shared_path("traces", "addsub_codex002_n40.jsonl"),
                               "--limit", "8", "--orders", "1", "--rows", "16", "--host-time", "none",
-                              "--out", str(out)]) == 0
+                              "--early-stop", "on", "decided", "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "all at once | none" in text and "waves 4, predictive" in text
+    assert "all at once | none" in text and "waves 4, predictive" in text and "waves 4, decided" in text
     assert (tmp_path / "w.json").exists() and (tmp_path / "w.md").exists()
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "w.png").exists()
 
 
 def test_bad_arguments_exit_with_usage():
-    for bad in (["--rows", "0"], ["--waves", "x"], ["--early-stop", "nonsense"]):
+    for bad in (["--rows", "0"], ["--waves", "x"], ["--early-stop", "nonsense"], ["--early-stop", "off"]):
         with pytest.raises(SystemExit):
             waves_replay.parse_args(bad)
