@@ -1,6 +1,6 @@
 """Adaptive self-consistency with drafting, replayed: time to all answers.
 
-    python -m evals waves [--traces FILE ...] [--rows 64] [--waves 4] [--fill on|off|both]
+    python -m evals waves [--traces FILE ...] [--rows 64] [--waves 2] [--fill on|off|both]
                           [--early-stop on decided ...] [--orders 3] [--limit N]
 
 Each trace set runs four ways through the replay (:mod:`evals.replay`), the
@@ -163,7 +163,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m evals waves", description=__doc__.split("\n\n")[0])
     ap.add_argument("--traces", nargs="+", help="trace files (default: gsm8k and addsub)")
     ap.add_argument("--rows", type=int, default=64, help="paths in flight at most (max_num_seqs)")
-    ap.add_argument("--waves", default="4", help="wave sizes, e.g. 4 or 1,2,4,rest")
+    ap.add_argument("--waves", help="wave sizes, e.g. 4 or 1,2,4,rest (default: Schedule's default)")
     ap.add_argument("--early-stop", nargs="+", default=["on"],
                     help="stop rules, list ok: on (the default rule), decided, predictive:0.05, "
                          "beta:0.05, window:4, margin:3")
@@ -186,7 +186,8 @@ def parse_args(argv=None):
     from consensus_spec.sampling.waves import Schedule
     try:
         fills = {"on": (True,), "off": (False,), "both": (True, False)}[args.fill]
-        args.schedules = [Schedule.parse(args.waves, capacity=args.rows, fill_idle=f) for f in fills]
+        waves = args.waves or Schedule().describe()
+        args.schedules = [Schedule.parse(waves, capacity=args.rows, fill_idle=f) for f in fills]
         args.rules = [r for r in parse_early_stop(args.early_stop) if r is not None]
         if not args.rules:
             raise ValueError("--early-stop: give at least one rule (plain runs are always included)")
