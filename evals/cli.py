@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 
 def parse_options(pairs: list[str]) -> dict:
@@ -18,3 +19,13 @@ def parse_options(pairs: list[str]) -> dict:
         except json.JSONDecodeError:
             out[key] = value
     return out
+
+
+def write_results(out: str, payload: dict, table: str) -> None:
+    """``out``.json (``payload``) and ``out``.md (``table``), creating the folder."""
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump(payload, f, indent=1)
+    with open(out + ".md", "w") as f:
+        f.write(table + "\n")
+    print(f"wrote {out}.json and {out}.md")

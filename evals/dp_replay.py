@@ -24,7 +24,6 @@ row-step over all engines, as in ``python -m evals replay``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from dataclasses import replace
@@ -33,7 +32,7 @@ from consensus_spec.sampling.routing import data_parallel_rank
 
 from .drafters import make_drafter
 from .replay import replay
-from .replay_bench import parse_options
+from .cli import parse_options, write_results
 from .traces import Problem, TraceError, load_problems, load_tokenizer, shared_path
 
 DEFAULT_TRACES = ("gsm8k_qwen3_4b_n8.jsonl", "addsub_codex002_n40.jsonl", "svamp_pot_codex002_n30.jsonl")
@@ -145,7 +144,7 @@ def run(args, log=print) -> list[dict]:
 
 def markdown(results: list[dict], rows: int) -> str:
     lines = [f"| traces | method | D | rows/engine | tau round-robin | tau pinned | "
-             f"tau one engine @ rows/D | pinned load max/mean |", "|" + "---|" * 8]
+             "tau one engine @ rows/D | pinned load max/mean |", "|" + "---|" * 8]
     for r in results:
         base = r.get("one_engine_rows_per_engine")
         lines.append(f"| {r['traces']} | {r['method']} | {r['dp']} | {r['rows_per_engine']} | "
@@ -169,12 +168,7 @@ def main(argv=None) -> int:
         return 2
     table = markdown(results, args.rows)
     print(table)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump({"args": vars(args), "results": results}, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(table + "\n")
-    print(f"wrote {args.out}.json and {args.out}.md")
+    write_results(args.out, {"args": vars(args), "results": results}, table)
     return 0
 
 

@@ -30,7 +30,6 @@ depends on which answers come first); figures are given as mean and range.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -38,7 +37,7 @@ import time
 from collections import deque
 from dataclasses import replace
 
-from .cli import parse_options
+from .cli import parse_options, write_results
 from .drafters import make_drafter
 from .projection import run_ms
 from .replay import replay
@@ -329,15 +328,10 @@ def main(argv=None) -> int:
         return 2
     table = markdown(rows, args, host)
     print(table)
+    saved = {k: v for k, v in vars(args).items() if k not in ("schedules", "rules")}
+    write_results(args.out, {"args": saved, "results": rows}, table)
     if not args.no_plot and plot(rows, args.out + ".png"):
         print(f"wrote {args.out}.png")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    saved = {k: v for k, v in vars(args).items() if k not in ("schedules", "rules")}
-    with open(args.out + ".json", "w") as f:
-        json.dump({"args": saved, "results": rows}, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(table + "\n")
-    print(f"wrote {args.out}.json and {args.out}.md")
     return 0
 
 
