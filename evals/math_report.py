@@ -130,22 +130,16 @@ def score(run, problems) -> dict:
 # ---------------------------------------------------------------------------
 
 
-def _classes(plain: dict) -> list[tuple[list, list[int], list[bool]]]:
+def answer_classes(plain: dict) -> list[tuple[list, list[int], list[bool]]]:
     """Per problem: (class ids in path order, tokens, per class: correct);
     cached on the row (clustering calls math-verify)."""
     cached = plain.get("_classes")
     if cached is None:
-        from consensus_spec.voting.answers import answers_equal
-        from consensus_spec.voting.vote import cluster_answers
+        from evals.stopping import gold_classes
         cached = []
         for p in plain["per_problem"]:
-            ids = cluster_answers(p["answers"])
-            reps: dict[int, str] = {}
-            for a, i in zip(p["answers"], ids):
-                if i is not None:
-                    reps.setdefault(i, a)
-            correct = [answers_equal(reps[i], p["gold"]) for i in range(len(reps))]
-            cached.append((ids, p["sample_tokens"], correct))
+            ids, correct = gold_classes(p["answers"], p["gold"])
+            cached.append((ids, p["sample_tokens"], correct or [False] * len(set(ids) - {None})))
         plain["_classes"] = cached
     return cached
 
@@ -158,7 +152,7 @@ def replay(plain: dict, wave_sizes: list[int], rule, check: str = "wave") -> dic
     from evals.stopping import prefix_tallies, replay_order
 
     used_tok = full_tok = agree = correct = 0
-    problems = _classes(plain)
+    problems = answer_classes(plain)
     for ids, tokens, right in problems:
         n = len(ids)
         if check == "path":
@@ -255,6 +249,14 @@ def _pyplot():
     return matplotlib, plt
 
 
+def save_figure(plt, fig, path: str) -> bool:
+    """Lay out, write and close ``fig``; True (for the callers' return)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def plot(rows: list[dict], path: str) -> bool:
     """Speedup and accuracy against n, one line per method/waves/early stop."""
     matplotlib, plt = _pyplot()
@@ -289,10 +291,7 @@ def plot(rows: list[dict], path: str) -> bool:
     for ax in (ax1, ax2):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return save_figure(plt, fig, path)
 
 
 def plot_tradeoff(rows: list[dict], points: list[dict], path: str) -> bool:
@@ -322,7 +321,4 @@ def plot_tradeoff(rows: list[dict], points: list[dict], path: str) -> bool:
     ax.set_title("adaptive stopping: tokens vs agreement")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return save_figure(plt, fig, path)

@@ -52,6 +52,19 @@ class VoteTrace:
         return max(votes.count(i) for i in set(votes)) / len(votes) if votes else 1.0
 
 
+def gold_classes(answers: list, gold) -> tuple[list[int | None], list[bool] | None]:
+    """Answers clustered into class ids (None: no answer), and per class
+    whether its first answer equals ``gold`` (None when there is no gold)."""
+    ids = cluster_answers(answers)
+    if gold is None or not str(gold).strip():
+        return ids, None
+    reps: dict[int, str] = {}
+    for a, i in zip(answers, ids):
+        if i is not None:
+            reps.setdefault(i, a)
+    return ids, [answers_equal(reps[i], str(gold)) for i in range(len(reps))]
+
+
 def load_vote_traces(path: str, tokenizer, limit: int | None = None) -> list[VoteTrace]:
     out = []
     with open(path, encoding="utf-8") as f:
@@ -66,15 +79,7 @@ def load_vote_traces(path: str, tokenizer, limit: int | None = None) -> list[Vot
             comps = [c for c in comps or [] if isinstance(c, str) and c]
             if len(comps) < 2:
                 continue
-            answers = [extract_answer(c) for c in comps]
-            ids = cluster_answers(answers)
-            gold = obj.get("answer")
-            correct = None
-            if gold is not None and str(gold).strip():
-                reps = {}
-                for a, i in zip(answers, ids):
-                    reps.setdefault(i, a)
-                correct = [answers_equal(reps[i], str(gold)) for i in range(len(set(reps) - {None}))]
+            ids, correct = gold_classes([extract_answer(c) for c in comps], obj.get("answer"))
             tokens = [len(e.ids) + 1 for e in tokenizer.encode_batch(comps)]  # + EOS
             out.append(VoteTrace(str(obj.get("id", f"line{lineno}")), ids, tokens, correct))
     return out

@@ -72,9 +72,9 @@ def simulate(problems, schedule, rule, cost) -> dict:
 
 
 def load(path: str):
-    from consensus_spec.voting.answers import answers_equal
     from consensus_spec.sampling.stopping import tally
-    from consensus_spec.voting.vote import cluster_answers
+
+    from .math_report import answer_classes
 
     with open(path) as f:
         data = json.load(f)
@@ -83,15 +83,9 @@ def load(path: str):
         if (row.get("waves"), row.get("early_stop")) != ("all", "off"):
             continue
         problems = []
-        for pp in row["per_problem"]:
-            ids = cluster_answers(pp["answers"])
-            reps: dict[int, str] = {}
-            for a, i in zip(pp["answers"], ids):
-                if i is not None:
-                    reps.setdefault(i, a)
-            right = [answers_equal(reps[i], pp["gold"]) for i in range(len(reps))]
+        for ids, tokens, right in answer_classes(row):
             ranked = tally(ids)
-            problems.append((ids, pp["sample_tokens"], right, ranked[0][0] if ranked else None))
+            problems.append((ids, tokens, right, ranked[0][0] if ranked else None))
         out[f"{row['method']} n={row['n']}"] = problems
     return out
 
