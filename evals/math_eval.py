@@ -267,7 +267,7 @@ def run_configs(method: str, configs: list[tuple], args, problems, max_tokens: i
         for n, schedule, rule in configs:
             desc = f"{method} n={n}" + ("" if schedule.all_at_once else f" waves={schedule.describe()}") \
                 + ("" if rule is None else f" es={rule.describe()}")
-            cpu0 = process_cpu_s()
+            cpu0 = time.process_time()
             with tqdm(total=len(problems), desc=desc, unit="problem", file=sys.stderr,
                       dynamic_ncols=True) as bar:
                 run = self_consistency(
@@ -278,7 +278,8 @@ def run_configs(method: str, configs: list[tuple], args, problems, max_tokens: i
                     on_problem_done=lambda _p: bar.update(1))
             row = make_row(method, n, schedule, rule, run, problems, startup,
                            spec_config(method, args), style)
-            row["cpu_time_s"] = process_cpu_s() - cpu0 if in_process_engine() else None
+            # with the engine in this process, CPU time is a load-robust companion to wall time
+            row["cpu_time_s"] = time.process_time() - cpu0 if in_process_engine() else None
             row["prompt_example"] = prompts[0]
             rows.append(row)
     finally:
@@ -286,12 +287,6 @@ def run_configs(method: str, configs: list[tuple], args, problems, max_tokens: i
         del llm
         gc.collect()
     return rows
-
-
-def process_cpu_s() -> float:
-    """CPU seconds of this process, all threads (with the engine in this
-    process, a load-robust companion to wall time on a shared machine)."""
-    return time.process_time()
 
 
 def in_process_engine() -> bool:

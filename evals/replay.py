@@ -83,11 +83,15 @@ class ReplayBatch:
         self.req_id_to_index: dict[str, int] = {}
 
 
+def _req_id(problem: int, path: int) -> str:
+    return f"{problem}-{path}"
+
+
 class _Row:
     __slots__ = ("req_id", "problem", "path", "seq", "n", "done")
 
     def __init__(self, problem: int, path: int, seq: list[int], n: int):
-        self.req_id = f"{problem}-{path}"
+        self.req_id = _req_id(problem, path)
         self.problem, self.path, self.seq, self.n, self.done = problem, path, seq, n, False
 
 
@@ -187,8 +191,8 @@ def replay(problems: list[Problem], drafter, method: str, k: int, max_rows: int,
             stats.accepted += acc
             if row.n >= len(row.seq):
                 row.done = True
-                for p, s in admission.finished(row.problem, row.path) or ():
-                    j = batch.req_id_to_index[f"{p}-{s}"]
+                for key in admission.finished(row.problem, row.path) or ():
+                    j = batch.req_id_to_index[_req_id(*key)]
                     rows[j].done = True
                     stats.aborted_tokens += rows[j].n - int(batch.num_prompt_tokens[j])
                 if progress is not None:

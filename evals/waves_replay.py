@@ -215,8 +215,8 @@ def run(args) -> list[dict]:
             print(f"{name}: skipped: {SKIP[name]}", file=sys.stderr)
             continue
         problems, ids, correct, n = paired_sets(path, tokenizer, args.limit)
-        # load compiled code before anything is timed
-        run_one(problems[:1], ids[:1], correct[:1], n, "consensus", *configs(args)[1][:2], args, options)
+        plain = configs(args)[0][0]  # load compiled code before anything is timed
+        run_one(problems[:1], ids[:1], correct[:1], n, "consensus", plain, None, args, options)
         for order in range(args.orders):
             probs, order_ids = shuffled(problems, ids, order)
             for schedule, rule, method in configs(args):
@@ -279,7 +279,7 @@ def plot(rows: list[dict], path: str) -> bool:
     vote, one colour per schedule x rule, circles without drafting and
     squares with consensus drafting (mean over path orders, bars down to the
     worst order)."""
-    from .math_report import _pyplot
+    from .math_report import _pyplot, save_figure
 
     _, plt = _pyplot()
     if plt is None:
@@ -312,10 +312,7 @@ def plot(rows: list[dict], path: str) -> bool:
         ax.axvline(1.0, color="gray", lw=0.8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6.5)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return save_figure(plt, fig, path)
 
 
 def main(argv=None) -> int:

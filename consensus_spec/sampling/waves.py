@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -186,7 +187,7 @@ class PathPlanner:
         self.capacity = self.schedule.capacity
         self.stop_check = stop_check
         self.sizes = self.schedule.sizes(n)
-        self.ends = [sum(self.sizes[:i + 1]) for i in range(len(self.sizes))]
+        self.ends = list(itertools.accumulate(self.sizes))  # one past each wave's last path
         self.problems: dict[int, _Problem] = {}
         self.next_problem = 0
         self.num_inflight = 0
