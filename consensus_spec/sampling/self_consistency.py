@@ -152,8 +152,8 @@ def self_consistency(
         capacity = getattr(sched, "max_num_seqs", None)
         if isinstance(capacity, int) and capacity > 0:
             schedule = dataclasses.replace(schedule, capacity=capacity)
-    # DELTA outputs let us count the tokens of paths we abort; only per-path
-    # checks abort, so whole-wave runs ask for the cheaper final outputs.
+    # DELTA outputs let us count the tokens of paths we abort; runs that can
+    # never abort (Schedule.may_abort) ask for the cheaper final outputs.
     delta = stop_rule is not None and schedule.may_abort
     kind = RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY
 

@@ -133,7 +133,8 @@ class Schedule:
         return self.check == "path" or (self.fill_idle and not self.all_at_once)
 
     def describe(self) -> str:
-        """``"4,4,rest"``, ``"all"``; ``"+path-check"`` when checking every path."""
+        """``"4,4,rest"``, ``"all"``; ``"+no-fill"`` without idle fill and
+        ``"+path-check"`` when checking every path (:meth:`parse` reads it back)."""
         text = "all" if self.all_at_once else ",".join(str(w) for w in self.waves)
         if not self.fill_idle and not self.all_at_once:
             text += "+no-fill"
