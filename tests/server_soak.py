@@ -12,7 +12,9 @@
    ``n`` non-empty choices, every malformed one a 4xx, and the server must
    stay up.
 3. Memory: the RSS of the server's process tree (API server + engine core)
-   is sampled every ~2 s; growth in the second half of the soak is bounded.
+   is sampled before the first request, after every ``--rss-every``
+   completed requests and at the end (points of the workload, not of wall
+   time); growth in the second half of the soak is bounded.
 4. Greedy equality: the same greedy prompts (n=1, and n=4 at temperature 0)
    on both servers give identical text.
 5. Drafting evidence: vLLM's ``/metrics`` spec-decode counters, the
@@ -54,7 +56,6 @@ SERVED_NAME = "consensus-tiny"
 HEALTH_TIMEOUT_S = 480.0  # start-up takes 20-60 s idle, several minutes on a loaded box
 REQUEST_TIMEOUT_S = 180.0   # one good request (n samples)
 BAD_TIMEOUT_S = 60.0        # one malformed request: a hang past this is a finding
-RSS_PERIOD_S = 2.0
 MAX_SECOND_HALF_GROWTH_MB = 300.0
 
 
@@ -359,57 +360,62 @@ def tree_rss_mb(pid: int) -> tuple[float, dict[int, float]]:
     return sum(per.values()), per
 
 
-class RssSampler:
-    """Samples the RSS of ``pid``'s process tree every ``period`` seconds in a thread."""
+class RssCheckpoints:
+    """RSS of ``pid``'s process tree at fixed points of the workload: before
+    the first request, after every ``every`` completed requests, and at the
+    end. Where the points fall depends on the requests done, not on wall
+    time, so a fast and a slow machine take the same samples."""
 
-    def __init__(self, pid: int, period: float = RSS_PERIOD_S):
-        self.pid, self.period = pid, period
-        self.samples: list[tuple[float, float, dict]] = []  # (t, MB, {pid: MB})
+    MIN_POINTS = 5  # start, three inner points, end: enough to tell halves and quarters apart
+
+    def __init__(self, pid: int, total: int, every: int | None = None):
+        self.pid, self.total = pid, total
+        self.every = every or max(1, total // 8)
+        self.points: list[tuple[int, float, dict]] = []  # (requests done, MB, {pid: MB})
         self.labels: dict[int, str] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rss", daemon=True)
 
-    def _run(self):
-        t0 = time.monotonic()
-        while not self._stop.is_set():
-            mb, per = tree_rss_mb(self.pid)
-            for p in per:
-                if p not in self.labels:
-                    self.labels[p] = process_label(p)
-            self.samples.append((time.monotonic() - t0, mb, per))
-            self._stop.wait(self.period)
+    def sample(self, done: int) -> None:
+        mb, per = tree_rss_mb(self.pid)
+        for p in per:
+            if p not in self.labels:
+                self.labels[p] = process_label(p)
+        self.points.append((done, mb, per))
 
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join(timeout=10)
+    def on_done(self, done: int) -> None:
+        """Called with the count of completed requests after each completion."""
+        if done % self.every == 0 and done < self.total:
+            self.sample(done)
 
     def summary(self) -> dict:
-        s = self.samples
-        if len(s) < 3:
-            return {"samples": len(s)}
-        t_end = s[-1][0]
-        mid = min(range(len(s)), key=lambda i: abs(s[i][0] - t_end / 2))
+        s = self.points
+        if len(s) < self.MIN_POINTS:
+            return {"samples": len(s), "enough": False,
+                    "why_not": f"{len(s)} RSS samples at workload points, need "
+                               f"{self.MIN_POINTS}: too few requests ({self.total}) for "
+                               f"a sample every {self.every}"}
+        done = [x[0] for x in s]
 
-        def around(values, i):  # mean of 3 samples: one transient spike does not decide
-            lo, hi = max(0, i - 1), min(len(values), i + 2)
-            return sum(values[lo:hi]) / (hi - lo)
+        def at(fraction):  # the sample nearest a share of the workload
+            return min(range(len(s)), key=lambda i: abs(done[i] - fraction * self.total))
+
+        mid, q1, q3 = at(0.5), at(0.25), at(0.75)
 
         def points(values):
-            start, middle, end = around(values, 0), around(values, mid), around(values, len(s) - 1)
+            start, middle, end = values[0], values[mid], values[-1]
             return {"start_mb": round(start, 1), "mid_mb": round(middle, 1),
                     "end_mb": round(end, 1), "peak_mb": round(max(values), 1),
                     "first_half_growth_mb": round(middle - start, 1),
-                    "second_half_growth_mb": round(end - middle, 1)}
+                    "second_half_growth_mb": round(end - middle, 1),
+                    "first_quarter_growth_mb": round(values[q1] - start, 1),
+                    "last_quarter_growth_mb": round(end - values[q3], 1),
+                    "last_quarter_growth_pct": round(100 * (end - values[q3]) / values[q3], 2)}
 
         per_process = {self.labels.get(p, str(p)): points([x[2].get(p, 0.0) for x in s])
                        for p in sorted({p for x in s for p in x[2]})}
-        return {"samples": len(s), "period_s": self.period, "duration_s": round(t_end, 1),
+        return {"samples": len(s), "enough": True, "every": self.every,
                 "processes": max(len(x[2]) for x in s), **points([x[1] for x in s]),
-                "per_process": per_process, "series_mb": [round(x[1], 1) for x in s]}
+                "per_process": per_process,
+                "series_mb": [[d, round(mb, 1)] for d, mb, _ in s]}
 
 
 # --------------------------------------------------------------------------
@@ -532,11 +538,13 @@ def complete(client, req: dict) -> dict:
 
 
 def run_soak(server: Server, reqs: list[dict], threads: int, n: int,
-             bad_rounds: int = 3, deadline_s: float = 1800.0) -> dict:
+             bad_rounds: int = 3, deadline_s: float = 1800.0, on_done=None) -> dict:
     """Send ``reqs`` from ``threads`` threads; ``bad_rounds`` rounds of
     malformed requests go out concurrently once 10%, 40%, 70%... of the good
-    requests are done. Bounded by ``deadline_s``: requests not started by
-    then are recorded as skipped."""
+    requests are done. ``on_done(count)`` runs after each completion, in
+    order of completion. Bounded by ``deadline_s`` (a hang guard, far above
+    any expected run): requests not started by then are recorded as
+    skipped, and fail the soak."""
     client = make_client(server.base_url)
     kinds = malformed_requests()
     results: list[dict | None] = [None] * len(reqs)
@@ -563,6 +571,8 @@ def run_soak(server: Server, reqs: list[dict], threads: int, n: int,
             results[i] = res
         with lock:
             done[0] += 1
+            if on_done is not None:
+                on_done(done[0])
             for mark, ev in zip(marks, trigger):
                 if done[0] >= mark:
                     ev.set()
@@ -729,7 +739,8 @@ def http_status_counts(text: str) -> dict:
 def soak(num_requests: int = 200, threads: int = 16, n: int = 8, greedy_count: int = 24,
          bad_rounds: int = 3, log_dir: str | Path | None = None, deadline_s: float = 1800.0,
          seed: int = 0, parallel_start: bool = False, control: bool = False,
-         options: dict | None = None, verbose: bool = True) -> dict:
+         options: dict | None = None, verbose: bool = True,
+         rss_every: int | None = None) -> dict:
     """Run everything and return the report dict (never raises for a server
     or request failure: that is recorded under ``error`` and fails a check).
 
@@ -741,6 +752,8 @@ def soak(num_requests: int = 200, threads: int = 16, n: int = 8, greedy_count: i
     the plain server (RSS sampled the same way), as a baseline for memory
     growth and throughput without speculation. ``options``: the proposer's
     options (``additional_config["consensus_spec"]``; default max_depth=8).
+    ``rss_every``: completed requests between RSS samples (default an
+    eighth of the soak).
     """
     import traceback
 
@@ -779,9 +792,11 @@ def soak(num_requests: int = 200, threads: int = 16, n: int = 8, greedy_count: i
             say(f"[soak] spec server ready in {spec.ready_s:.1f} s; soak: {num_requests} x n={n} "
                 f"from {threads} threads")
             stage = "soak"
-            with RssSampler(spec.proc.pid) as sampler:
-                report["soak"] = run_soak(spec, reqs, threads, n, bad_rounds, deadline_s)
-            report["rss"] = sampler.summary()
+            rss = RssCheckpoints(spec.proc.pid, num_requests, rss_every)
+            rss.sample(0)
+            report["soak"] = run_soak(spec, reqs, threads, n, bad_rounds, deadline_s, rss.on_done)
+            rss.sample(num_requests)
+            report["rss"] = rss.summary()
             say(f"[soak] soak done in {report['soak']['wall_s']} s "
                 f"({report['soak']['ok']}/{num_requests} ok); greedy prompts on the spec server")
             stage = "after soak"
@@ -819,12 +834,14 @@ def soak(num_requests: int = 200, threads: int = 16, n: int = 8, greedy_count: i
         if control:
             stage = "control soak on plain server"
             say(f"[soak] control: the same soak on the plain server")
-            with RssSampler(plain.proc.pid) as sampler:
-                ctrl = run_soak(plain, reqs, threads, n, bad_rounds, deadline_s)
+            rss = RssCheckpoints(plain.proc.pid, num_requests, rss_every)
+            rss.sample(0)
+            ctrl = run_soak(plain, reqs, threads, n, bad_rounds, deadline_s, rss.on_done)
+            rss.sample(num_requests)
             report["control"] = {"soak": {k: ctrl[k] for k in (
                 "requests", "ok", "failed", "wall_s", "requests_per_s", "completion_tokens",
                 "tokens_per_s", "latency_s", "malformed_statuses", "malformed_not_4xx")},
-                "rss": sampler.summary(), "metrics": scrape_metrics(plain.base_url)}
+                "rss": rss.summary(), "metrics": scrape_metrics(plain.base_url)}
         report["plain_server"].update(alive_at_end=plain.alive(), health_at_end=plain.health())
     except Exception as e:  # noqa: BLE001 - recorded; the checks fail
         report["error"] = {"stage": stage, "error": f"{type(e).__name__}: {e}"[-4000:],
@@ -861,8 +878,9 @@ def checks(report: dict) -> dict:
         "server_up_after_soak": bool(report.get("after_soak", {}).get("alive"))
                                 and report["after_soak"].get("health") == 200
                                 and bool(report["after_soak"].get("followup_ok")),
-        "rss_second_half_bounded": rss.get("second_half_growth_mb", float("inf"))
-                                   < MAX_SECOND_HALF_GROWTH_MB,
+        # too few samples to decide is a failure (summary()["why_not"] says so)
+        "rss_second_half_bounded": bool(rss.get("enough"))
+                                   and rss["second_half_growth_mb"] < MAX_SECOND_HALF_GROWTH_MB,
         "drafting_happened": m.get("vllm:spec_decode_num_accepted_tokens", 0) > 0,
         "no_drafting_failures": report.get("spec_log", {}).get("drafting_failed", {}).get("count", 1) == 0,
         "greedy_equal": bool(report.get("greedy", {}).get("equal"))
@@ -916,8 +934,14 @@ def markdown(report: dict) -> str:
         f"| peak | {rss.get('peak_mb')} |",
         f"| growth first half / second half | {rss.get('first_half_growth_mb')} / "
         f"{rss.get('second_half_growth_mb')} (bound {MAX_SECOND_HALF_GROWTH_MB:.0f}) |",
-        f"| samples (processes in tree) | {rss.get('samples')} ({rss.get('processes')}) |",
+        f"| growth first quarter / last quarter | {rss.get('first_quarter_growth_mb')} / "
+        f"{rss.get('last_quarter_growth_mb')} ({rss.get('last_quarter_growth_pct')}%) |",
+        f"| samples, every N requests (processes in tree) | {rss.get('samples')}, {rss.get('every')} "
+        f"({rss.get('processes')}) |",
+        f"| series (requests done, MB) | {rss.get('series_mb')} |",
     ]
+    if not rss.get("enough", True):
+        lines.append(f"| **not enough samples** | {rss.get('why_not')} |")
     for label, pp in rss.get("per_process", {}).items():
         lines.append(f"| {label}: start / end (growth 1st / 2nd half) | {pp['start_mb']} / "
                      f"{pp['end_mb']} ({pp['first_half_growth_mb']} / {pp['second_half_growth_mb']}) |")
@@ -981,7 +1005,9 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--greedy", type=int, default=24, help="greedy prompts compared")
     ap.add_argument("--bad-rounds", type=int, default=3)
-    ap.add_argument("--deadline", type=float, default=1800.0, help="soak deadline (s)")
+    ap.add_argument("--deadline", type=float, default=1800.0, help="soak deadline (s): a hang guard")
+    ap.add_argument("--rss-every", type=int, default=None,
+                    help="completed requests between RSS samples (default: an eighth of --requests)")
     ap.add_argument("--log-dir", default=None)
     ap.add_argument("--parallel-start", action="store_true",
                     help="boot the plain server together with the spec server")
@@ -993,7 +1019,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     report = soak(args.requests, args.threads, args.n, args.greedy, args.bad_rounds,
                   args.log_dir, args.deadline, parallel_start=args.parallel_start,
-                  control=args.control, options=args.options)
+                  control=args.control, options=args.options, rss_every=args.rss_every)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1, default=str) + "\n")
