@@ -139,14 +139,26 @@ class BudgetedSuffix:
         self.budget.observe(probs, sent, accepted)
 
 
+class ProposerDrafter:
+    """The consensus proposer called as vLLM's runner calls it."""
+
+    def __init__(self, proposer):
+        self.proposer = proposer
+
+    def __call__(self, sampled, batch):
+        return self.proposer.propose(sampled, batch.num_tokens_no_spec, batch.token_ids_cpu)
+
+
 def make_drafter(method: str, k: int, max_model_len: int, max_num_seqs: int,
                  consensus_options: dict | None = None, schedule=None,
-                 suffix_options: dict | None = None):
+                 suffix_options: dict | None = None, clock=None):
     """A callable ``(sampled_token_ids, batch) -> drafts`` for ``method``.
 
     ``schedule``: vLLM's ``num_speculative_tokens_per_batch_size`` for ngram
     and suffix. ``suffix_options``: ``suffix_decoding_*`` settings for suffix
-    (and suffix-budget).
+    (and suffix-budget). ``clock``: the time consensus's proposer reads to
+    learn step costs (a :class:`evals.replay.VirtualClock`); without one a
+    replay has no step times, so its budget keeps the fixed cost model.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
@@ -177,6 +189,9 @@ def make_drafter(method: str, k: int, max_model_len: int, max_num_seqs: int,
     options = dict(consensus_options or {})
     if method == "consensus-nobudget":
         options["cost_model"] = "off"
+    if clock is None:
+        options["online_costs"] = False
     p = ConsensusProposer(cfg, **options)
-    return lambda sampled, batch: p.propose(
-        sampled, batch.num_tokens_no_spec, batch.token_ids_cpu)
+    if clock is not None:
+        p.clock = clock
+    return ProposerDrafter(p)

@@ -52,6 +52,19 @@ class StepCosts:
     def load(cls, path: str) -> "StepCosts":
         return cls(_read_jsonl(path, "step-cost table"))
 
+    def rows(self) -> list[dict]:
+        return [{"B": b, "q": float(q), "ms": float(m)}
+                for b, (qs, ms) in sorted(self._table.items()) for q, m in zip(qs, ms)]
+
+    def with_slope_scale(self, scale: float) -> "StepCosts":
+        """The same table with every step's cost above one token per row
+        times ``scale``: T'(B, q) = T(B, 1) + scale (T(B, q) - T(B, 1))."""
+        out = []
+        for b, (qs, ms) in self._table.items():
+            one = float(np.interp(1.0, qs, ms))
+            out += [{"B": b, "q": float(q), "ms": one + scale * (float(m) - one)} for q, m in zip(qs, ms)]
+        return StepCosts(out)
+
     @property
     def batch_sizes(self) -> list[int]:
         return sorted(self._table)

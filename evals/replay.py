@@ -15,6 +15,11 @@ Any other order of entry (waves with stop votes: :mod:`evals.waves_replay`)
 is an ``admission`` object with ``pop()`` and ``finished(problem, path)``,
 which may return running paths to abort: they leave the batch at once, their
 tokens so far counted in ``aborted_tokens``.
+
+A ``clock`` (:class:`VirtualClock`) is the time a drafter that reads one
+sees: each verified step advances it by a step-cost table's T(B, q), and a
+drafter call by the call's own time. The consensus proposer learns its step
+costs from it, as it would from the engine's real steps.
 """
 
 from __future__ import annotations
@@ -70,6 +75,34 @@ class ReplayStats:
         return {**out, "tau": self.tau, "acceptance": self.acceptance,
                 "drafts_per_step": self.drafts_per_step, "us_per_row": self.us_per_row,
                 "median_us_per_row": self.median_us_per_row}
+
+
+class VirtualClock:
+    """Seconds as a proposer in a replay sees them: ``step_ms(rows, q)`` per
+    verified step of ``rows`` rows with q tokens each, plus each drafter
+    call's measured time (``drafter_time``, else none: deterministic)."""
+
+    def __init__(self, step_ms, drafter_time: bool = True):
+        self.step_ms = step_ms
+        self.drafter_time = drafter_time
+        self.now = 0.0
+        self._call_start = None
+
+    def __call__(self) -> float:
+        if self._call_start is not None and self.drafter_time:
+            return self.now + time.perf_counter() - self._call_start
+        return self.now
+
+    def begin_call(self) -> None:
+        self._call_start = time.perf_counter()
+
+    def end_call(self) -> None:
+        self.now = self()
+        self._call_start = None
+
+    def step(self, rows: int, drafted: int) -> None:
+        if rows:
+            self.now += self.step_ms(rows, 1.0 + drafted / rows) / 1000.0
 
 
 class ReplayBatch:
@@ -128,9 +161,12 @@ class _Admission:
 
 
 def replay(problems: list[Problem], drafter, method: str, k: int, max_rows: int,
-           scouts: int = 0, progress=None, on_step=None, admission=None) -> ReplayStats:
+           scouts: int = 0, progress=None, on_step=None, admission=None,
+           clock: VirtualClock | None = None) -> ReplayStats:
     """``on_step(stats)``, if given, is called after every verified step.
-    ``admission``: the order paths enter (default: all at once, or scouts)."""
+    ``admission``: the order paths enter (default: all at once, or scouts).
+    ``clock``: advanced around each drafter call and by each verified step
+    (the drafter must already read it)."""
     if max_rows < 1 or k < 0:
         raise ValueError("need max_rows >= 1 and k >= 0")
     max_len = max(len(p.prompt) + max(map(len, p.completions)) for p in problems) + k + 2
@@ -161,9 +197,13 @@ def replay(problems: list[Problem], drafter, method: str, k: int, max_rows: int,
         if not rows:
             break
 
+        if clock is not None:
+            clock.begin_call()
         t0 = time.perf_counter()
         drafts = drafter(sampled, batch)
         elapsed = time.perf_counter() - t0
+        if clock is not None:
+            clock.end_call()
         stats.propose_s += elapsed
         stats.propose_rows += len(rows)
         stats.call_us_per_row.append(elapsed * 1e6 / len(rows))
@@ -198,6 +238,8 @@ def replay(problems: list[Problem], drafter, method: str, k: int, max_rows: int,
                 if progress is not None:
                     progress.update(1)
         stats.drafted += drafted
+        if clock is not None:
+            clock.step(len(rows), drafted)
         stats.step_rows.append(len(rows))
         stats.step_drafted.append(drafted)
         if on_step is not None:

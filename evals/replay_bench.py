@@ -38,7 +38,7 @@ from tqdm import tqdm
 from .cli import parse_options
 from .drafters import METHODS, SCHEDULABLE, make_drafter
 from .projection import HostTime, StepCosts, break_even_host_ms
-from .replay import replay
+from .replay import VirtualClock, replay
 from .replay_report import markdown, sweep_markdown, targets
 from .traces import TraceError, load_problems, load_tokenizer, shared_path
 
@@ -82,6 +82,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "host CPU twice as fast as this one during the run)")
     ap.add_argument("--host-time-scale", type=float, default=1.0,
                     help="what-if: project with the host-time table's values times this")
+    ap.add_argument("--costs-slope-scale", type=float, default=1.0,
+                    help="what-if truth: the --costs table with each step's cost above one token "
+                         "per row times this (drives the replay's clock and the projection)")
+    ap.add_argument("--online", choices=("on", "off"), default="on",
+                    help="consensus learns its step costs from a clock that the --costs table "
+                         "drives (the prior is its cost_model option); off: fixed cost model")
     ap.add_argument("--from-json", metavar="FILE",
                     help="replay nothing: project the results of an earlier run's .json afresh "
                          "(e.g. on another --host-time or --costs table)")
@@ -92,8 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--limit must be >= 1")
     if args.tune_limit < 1 or args.repeats < 1:
         ap.error("--tune-limit and --repeats must be >= 1")
-    if args.drafter_time_scale < 0 or args.host_time_scale < 0:
-        ap.error("--drafter-time-scale and --host-time-scale must be >= 0")
+    if args.drafter_time_scale < 0 or args.host_time_scale < 0 or args.costs_slope_scale < 0:
+        ap.error("--drafter-time-scale, --host-time-scale and --costs-slope-scale must be >= 0")
     if min(args.sweep_k) < 0 or max(args.sweep_k) > args.k:
         ap.error(f"--sweep-k values must be in 0..--k ({args.k})")
     return args
@@ -180,6 +186,44 @@ class CpuTimed:
         return s[len(s) // 2] if s else 0.0
 
 
+class LearningTrace:
+    """How fast the proposer's learned step costs approach the truth: per
+    verified step, the relative error of its predicted time for that step's
+    rows and draft tokens (drafter time excluded), and of the predicted cost
+    of its draft tokens."""
+
+    WITHIN = 0.05
+
+    def __init__(self, proposer, truth: StepCosts):
+        self.proposer, self.truth = proposer, truth
+        self.errors: list[float] = []
+        self.slope_errors: list[float] = []
+        self.sizes = truth.batch_sizes
+
+    def __call__(self, stats) -> None:
+        b, m = stats.step_rows[-1], stats.step_drafted[-1]
+        costs = self.proposer.budget.costs if self.proposer.budget is not None else None
+        if costs is None or b < 1:
+            return
+        t = costs.step_ms(b, max(m, b), drafter=False)
+        bb = min(max(b, self.sizes[0]), self.sizes[-1])
+        true_at = lambda q: self.truth.step_ms_between(bb, q)  # noqa: E731
+        self.errors.append(abs(t[m] / true_at(1.0 + m / b) - 1.0))
+        one_more = true_at(2.0) - true_at(1.0)  # one draft token per row
+        if one_more > 0:
+            self.slope_errors.append(abs((t[b] - t[0]) / one_more - 1.0))
+
+    def summary(self) -> dict:
+        def settled(errors):  # first step after which every error is within WITHIN
+            bad = [i for i, e in enumerate(errors) if e > self.WITHIN]
+            return (bad[-1] + 1 if bad else 0) if errors else None
+        return {"steps": len(self.errors), "steps_to_5pct_step_time": settled(self.errors),
+                "steps_to_5pct_draft_cost": settled(self.slope_errors),
+                "final_step_time_error": round(self.errors[-1], 4) if self.errors else None,
+                "median_draft_cost_error": round(float(sorted(self.slope_errors)[len(self.slope_errors) // 2]), 4)
+                if self.slope_errors else None}
+
+
 class Bench:
     def __init__(self, args, costs: StepCosts | None, host: HostTime | None):
         self.args = args
@@ -205,28 +249,44 @@ class Bench:
             row["speedup_both_sync"] = 1.0 if none else self.costs.speedup_both_sync(b, tau, d, c, h)
         return row
 
+    def clock(self, method: str) -> VirtualClock | None:
+        """The time consensus learns its step costs from: the cost table's."""
+        if self.costs is None or self.args.online == "off" or method != "consensus":
+            return None
+        sizes = self.costs.batch_sizes
+        return VirtualClock(lambda b, q: self.costs.step_ms_between(min(max(b, sizes[0]), sizes[-1]), q))
+
     def run(self, problems, name: str, method: str, batch: int, scouts: int = 0,
             schedule=None, suffix_options: dict | None = None, tag: str = "") -> dict:
         k = self.args.k
         max_len = max(len(p.prompt) + max(map(len, p.completions)) for p in problems) + k + 2
 
-        def build():
+        def build(clock):
             return make_drafter(method, k, max_len, batch, self.options, schedule=schedule,
-                                suffix_options=suffix_options)
+                                suffix_options=suffix_options, clock=clock)
 
         if method not in self.warmed:  # load compiled code before anything is timed
-            replay(problems[:1], build(), method, k, batch, scouts)
+            clock = self.clock(method)
+            replay(problems[:1], build(clock), method, k, batch, scouts, clock=clock)
             self.warmed.add(method)
-        drafter = CpuTimed(build())
+        clock = self.clock(method)
+        inner = build(clock)
+        drafter = CpuTimed(inner)
+        learning = LearningTrace(inner.proposer, self.costs) if clock is not None else None
         n_paths = sum(len(p.completions) for p in problems)
         desc = f"{name} B={batch} {method}{tag} S={scouts}"
         t0 = time.perf_counter()
         with tqdm(total=n_paths, desc=desc, leave=False, disable=not sys.stderr.isatty()) as bar:
-            stats = replay(problems, drafter, method, k, batch, scouts, bar)
+            stats = replay(problems, drafter, method, k, batch, scouts, bar, clock=clock,
+                           on_step=learning)
         print(f"  {desc}: tau {stats.tau:.2f}, {drafter.us_per_row:.1f} µs/row-step CPU "
               f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         row = {"traces": name, "problems": len(problems), "batch": batch, **stats.summary(),
                "cpu_us_per_row": drafter.us_per_row, "cpu_median_us_per_row": drafter.median_us_per_row}
+        if learning is not None:
+            row["learning"] = learning.summary()
+            row["cost_counters"] = {key: value for key, value in inner.proposer.counters().items()
+                                    if key.startswith(("steps_", "explore", "cost_model"))}
         if schedule is not None:
             row["schedule"] = [list(e) for e in schedule]
         if suffix_options:
@@ -255,6 +315,8 @@ class Bench:
 def load_tables(args, quiet: bool = False) -> tuple[StepCosts | None, HostTime | None]:
     """The step-cost table and the host-time table (None where not given)."""
     costs = StepCosts.load(args.costs) if args.costs and os.path.exists(args.costs) else None
+    if costs is not None and args.costs_slope_scale != 1.0:
+        costs = costs.with_slope_scale(args.costs_slope_scale)
     host = None
     if args.host_time and args.host_time != "none":
         if os.path.exists(args.host_time):

@@ -11,6 +11,7 @@ from ..jit import Kernels
 from . import calibration
 from .calibration import AcceptanceCalibrator, _calibrate
 from .cost_models import StepCostModel
+from .online import OnlineStepCosts
 
 kernel = Kernels(globals(), uses=(calibration.kernel,))
 
@@ -104,18 +105,27 @@ def choose_lengths(probs: np.ndarray, lengths: np.ndarray, batch: int,
 
 
 class DraftBudget:
-    """The budget as a proposer applies it each step: a cost model, step
-    times cached per batch size, and a calibrator learning from what the
-    verifier accepted."""
+    """The budget as a proposer applies it each step: a cost model (fixed,
+    or learned online on top of it as a prior), step times cached per batch
+    size, and a calibrator learning from what the verifier accepted.
 
-    def __init__(self, model: StepCostModel, calibrator: "AcceptanceCalibrator | None" = None):
+    Per step: :meth:`floor` (which also decides whether this step explores
+    the cost of draft tokens), then the call that keeps draft lengths, then
+    :meth:`observe` and, with online costs, :meth:`observe_step`."""
+
+    def __init__(self, model: StepCostModel, calibrator: "AcceptanceCalibrator | None" = None,
+                 online: bool = False):
         kernel.compile()
         self.model = model
         self.calibrator = calibrator or AcceptanceCalibrator()
+        self.costs = OnlineStepCosts(model) if online else None
         self._step_ms: OrderedDict[int, np.ndarray] = OrderedDict()  # batch -> T(batch, 1 + m/batch)
+        self._explore = False  # this step drafts as the lower bound on cost would
 
     def step_ms(self, batch: int, kept: int) -> np.ndarray:
         """Step times with 0..kept draft tokens in a batch of ``batch`` rows."""
+        if self.costs is not None:
+            return self.costs.step_ms(batch, kept)
         table = self._step_ms.get(batch)
         if table is None or len(table) <= kept:
             table = self.model.step_ms(batch, 1.0 + np.arange(max(kept, 16 * batch) + 1) / batch)
@@ -129,15 +139,42 @@ class DraftBudget:
         need not walk past them: no calibrated chance at or below the first
         token's marginal cost is ever kept (the greedy's threshold only
         rises), and every estimate below the returned value calibrates to
-        less than that cost."""
-        t = self.step_ms(batch, 1)
+        less than that cost. Call once per step, before drafting: it also
+        decides whether the step explores (then the floor is the lower
+        bound's, which lets either bound's drafts through)."""
+        self._shade = self.costs.explore_shade(batch) if self.costs is not None else 0.0
+        self._explore = self._shade > 0.0
+        if self._explore:
+            t = self.costs.step_ms(batch, 1, shade=-self._shade)
+        else:
+            t = self.step_ms(batch, 1)
         return self.calibrator.lowest_estimate_above(batch * (t[1] - t[0]) / t[0])
 
     def __call__(self, probs: np.ndarray, lengths: np.ndarray, batch: int) -> np.ndarray:
-        """:func:`choose_lengths` with this budget's model and calibration."""
+        """:func:`choose_lengths` with this budget's model and calibration;
+        on an exploring step, a bound's choice where the bounds differ."""
         out = np.empty(len(lengths), np.int64)
-        _choose(probs, lengths, batch, self.step_ms(batch, probs.size), self.calibrator.rate(), out)
+        rate = self.calibrator.rate()
+        tokens = int(np.minimum(lengths, probs.shape[1] if probs.ndim == 2 else 0).sum())
+        _choose(probs, lengths, batch, self.step_ms(batch, tokens), rate, out)
+        if self._explore:
+            self._explore = False
+            low = np.empty_like(out)
+            _choose(probs, lengths, batch, self.costs.step_ms(batch, tokens, -self._shade), rate, low)
+            high = np.empty_like(out)
+            _choose(probs, lengths, batch, self.costs.step_ms(batch, tokens, self._shade), rate, high)
+            if low.sum() != high.sum():
+                # the bound that differs from the estimate's choice, alternating
+                # between them: drafts on both sides of it teach the slope
+                first, second = (low, high) if self.costs.steps_explored % 2 == 0 else (high, low)
+                self.costs.steps_explored += 1
+                return first if first.sum() != out.sum() else second
         return out
 
     def observe(self, probs: np.ndarray, sent: np.ndarray, accepted: np.ndarray) -> None:
         self.calibrator.observe(probs, sent, accepted)
+
+    def observe_step(self, batch: int, drafted: int, step_ms: float, drafter_ms: float) -> None:
+        """A timed engine step (see :meth:`OnlineStepCosts.observe`); no-op without online costs."""
+        if self.costs is not None:
+            self.costs.observe(batch, drafted, step_ms, drafter_ms)

@@ -27,6 +27,7 @@ class ProposerOptions:
     model and fault handling (drafting options are in :class:`DrafterOptions`)."""
 
     cost_model: str = AUTO  # the draft budget's step-cost model (see consensus_spec.budget), or "off"
+    online_costs: bool = True  # learn step costs from timed steps, cost_model as the prior
     warmup: bool = True   # compile and run the kernels at construction, not on the first request
     max_failures: int = 3  # failing steps in a row after which drafting is switched off
 

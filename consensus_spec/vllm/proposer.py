@@ -6,6 +6,14 @@ the batch's sampled tokens and token buffer. Only ``speculative_config``,
 ``scheduler_config.max_num_seqs`` and ``device_config`` are read, so offline
 tools can build it from a light stand-in.
 
+The draft budget learns what steps cost on this machine (``online_costs``,
+on by default): the proposer times each engine step, from the end of one
+``propose`` call to the start of the next, and its own drafting, reading
+time only through its attribute ``clock`` (looked up at each call, so a
+harness can replace it). A step is charged to its rows and the draft
+tokens it verified only when every row continued from the step before
+(no prefill, no new, resumed or rejected rows, no missed steps).
+
 It runs inside someone else's engine, so it never lets an exception out of
 ``propose``: a failing step is logged, the drafting state is rebuilt, and
 that step drafts nothing. After ``max_failures`` failing steps in a row
@@ -28,6 +36,9 @@ from .rows import RowTracker
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handler and format
 
 
+LOG_EVERY_S = 300.0  # clock seconds between INFO lines on what the budget learned
+
+
 class ConsensusProposer:
     options: dict = {}  # set by the classes consensus_spec.vllm.configured makes
 
@@ -44,6 +55,11 @@ class ConsensusProposer:
             device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cuda")
             name = "cpu_embedded" if device == "cpu" else "h200_7b"
         self._cost_model = cost_model(name)
+        self._cost_model_name = name
+        self.clock = time.perf_counter  # seconds; replaceable (replay drives virtual time)
+        self.steps_timed = 0        # engine steps charged to the budget's cost fit
+        self.steps_unattributed = 0  # steps left out (prefill, new rows, missed steps...)
+        self._last_rows = 0
         self.num_drafted = 0   # draft tokens proposed
         self.num_accepted = 0  # of those, accepted by the verifier
         self.num_failures = 0  # steps that raised (and drafted nothing)
@@ -53,16 +69,26 @@ class ConsensusProposer:
         self._logged: set[str] = set()  # exception types already logged with a traceback
         self._reset()
         self.warmup_s = self._warm_up() if self.proposer_options.warmup else 0.0
-        logger.info("consensus_spec proposer: k=%d, cost model %s, %s (warm-up %.2f s)",
-                    self.num_speculative_tokens, name, self.drafter_options, self.warmup_s)
+        logger.info("consensus_spec proposer: k=%d, cost model %s%s, %s (warm-up %.2f s)",
+                    self.num_speculative_tokens, name,
+                    " (prior; step costs learned online)" if self.budget is not None
+                    and self.budget.costs is not None else "", self.drafter_options, self.warmup_s)
 
     def _reset(self) -> None:
-        """Fresh drafting state (trie forest, row tracking, calibration)."""
+        """Fresh drafting state (trie forest, row tracking, calibration); step
+        costs learned so far are kept (they describe the machine, not the state)."""
+        learned = getattr(getattr(self, "budget", None), "costs", None)
         self.drafter = ConsensusDrafter(self.drafter_options)
-        self.budget = DraftBudget(self._cost_model) if self._cost_model is not None else None
+        self.budget = (DraftBudget(self._cost_model, online=self.proposer_options.online_costs)
+                       if self._cost_model is not None else None)
+        if learned is not None and self.budget is not None:
+            self.budget.costs = learned
         self.rows = RowTracker(self.drafter.add_path, self.drafter.release,
                                max_parked=64 + 4 * self._max_num_seqs)
         self._sent = None  # (rows, paths, estimates, lengths) of the drafts last sent
+        self._last_end = None  # clock at the end of the last propose call
+        self._last_call_s = 0.0  # that call's own time
+        self._next_log = None
 
     def _warm_up(self) -> float:
         """Run every compiled kernel once on a made-up batch (vLLM's dtypes),
@@ -88,10 +114,14 @@ class ConsensusProposer:
         """One draft list per row (possibly empty). Never raises."""
         if not self.disabled:
             try:
-                drafts = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+                start = self.clock()
+                drafts = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, start)
                 self._failing = 0
+                self._last_end = end = self.clock()
+                self._last_call_s = end - start
                 return drafts
             except Exception as error:  # noqa: BLE001 - never take the engine down
+                self._last_end = None
                 self._contain(error)
         try:
             return [[] for _ in range(len(sampled_token_ids))]
@@ -120,14 +150,21 @@ class ConsensusProposer:
             logger.error("consensus_spec: drafting state could not be rebuilt; drafting is off",
                          exc_info=True)
 
-    def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
+    def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
+                 start: float | None = None) -> list[list[int]]:
         num_rows = len(sampled_token_ids)
-        step = self.rows.update(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        rows = self.rows
+        before = (rows.paths_started, rows.paths_resumed, rows.tokens_missed, rows.rows_rejected)
+        step = rows.update(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         drafts: list[list[int]] = [[] for _ in range(num_rows)]
         if not len(step.rows):
             self._sent = None
             return drafts
-        self._observe()
+        verified = self._observe()
+        clean = (verified is not None and len(step.rows) == num_rows and before ==
+                 (rows.paths_started, rows.paths_resumed, rows.tokens_missed, rows.rows_rejected))
+        self._time_step(num_rows, verified if clean else None, start)
+        self._last_rows = num_rows
         room = np.minimum(self.max_model_len - 1 - step.ends, self.num_speculative_tokens)  # < 0: none
         floor = self.budget.floor(num_rows) if self.budget is not None else None
         # every row's new tokens go in before any row drafts, so each path
@@ -143,15 +180,42 @@ class ConsensusProposer:
         self._sent = (step.rows, step.paths, probs, np.asarray(lengths, np.int64))
         return drafts
 
-    def _observe(self) -> None:
-        """Count what the verifier kept of last step's drafts; calibrate on it."""
+    def _observe(self) -> int | None:
+        """Count what the verifier kept of last step's drafts; calibrate on
+        it. Returns the draft tokens the step verified (None: no last step)."""
         if self._sent is None:
-            return
+            return None
         rows, paths, probs, sent = self._sent
         accepted = self.rows.accepted(rows, paths, sent)  # zeroes sent where not judged
         self.num_accepted += int(accepted.sum())
         if self.budget is not None:
             self.budget.observe(probs, sent, accepted)
+        return int(sent.sum())
+
+    def _time_step(self, num_rows: int, verified: int | None, start: float | None) -> None:
+        """Charge the engine step that just ran (``verified`` None: not
+        attributable) to the budget's cost fit; log what it learned now and then."""
+        if self.budget is None or self.budget.costs is None or start is None:
+            return
+        if verified is None or self._last_end is None:
+            self.steps_unattributed += 1
+        else:
+            self.budget.observe_step(num_rows, verified, 1000.0 * (start - self._last_end),
+                                     1000.0 * self._last_call_s)
+            self.steps_timed += 1
+        if self._next_log is None:
+            self._next_log = start + LOG_EVERY_S
+        elif start >= self._next_log:
+            self._next_log = start + LOG_EVERY_S
+            learned = self.budget.costs.summary(num_rows)
+            logger.info("consensus_spec step costs at %d rows: %s ms per step with 0/1/2 draft "
+                        "tokens per row (prior %s, drafter %.2f ms); %d steps timed, %.1f%% "
+                        "exploring", num_rows, learned["ms_per_step"], learned["prior_ms_per_step"],
+                        learned["drafter_ms"], self.steps_timed, self._explore_pct())
+
+    def _explore_pct(self) -> float:
+        costs = self.budget.costs if self.budget is not None else None
+        return 100.0 * costs.steps_explored / max(costs.decisions, 1) if costs is not None else 0.0
 
     def counters(self) -> dict:
         """The proposer's counters (cumulative over the engine's life)."""
@@ -163,7 +227,17 @@ class ConsensusProposer:
             "paths_resumed": rows.paths_resumed, "paths_moved": rows.paths_moved,
             "tokens_missed": rows.tokens_missed, "num_groups": self.drafter.num_groups,
             "trie_nodes": self.drafter.num_nodes(),
+            **self._cost_counters(),
         }
+
+    def _cost_counters(self) -> dict:
+        costs = self.budget.costs if self.budget is not None else None
+        if costs is None:
+            return {"cost_model": self._cost_model_name, "online_costs": False}
+        return {"cost_model": self._cost_model_name, "online_costs": True,
+                "steps_timed": self.steps_timed, "steps_unattributed": self.steps_unattributed,
+                "steps_outliers": costs.steps_rejected, "explore_pct": round(self._explore_pct(), 2),
+                "step_costs": costs.summary(self._last_rows)}
 
     def load_model(self, *args, **kwargs) -> None:
         pass  # model-free

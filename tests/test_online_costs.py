@@ -1,0 +1,190 @@
+"""Step costs learned online, driven by a synthetic clock: the budget sees
+only the step times a known T(B, m) gives it, never the wall clock."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from consensus_spec import ConsensusProposer
+from consensus_spec.budget import COST_MODELS, DraftBudget
+
+K = 8
+
+
+def linear_truth(batch, drafted):
+    """A CPU-like step: time linear in the tokens verified (ms)."""
+    return 5.0 + 0.8 * (batch + drafted)
+
+
+def drive(budget, truth, batch, steps, rng, noise=0.03, outlier_every=0):
+    """Steps of synthetic drafts through the budget; each step's time from
+    ``truth`` (with relative noise, and a 10x outlier every ``outlier_every``)."""
+    for t in range(steps):
+        budget.floor(batch)
+        first = rng.uniform(0.2, 0.95, batch)
+        probs = np.cumprod(np.tile(first[:, None], (1, K)), axis=1)
+        kept = budget(probs, np.full(batch, K, np.int64), batch)
+        drafted = int(kept.sum())
+        ms = truth(batch, drafted) * (1 + noise * rng.standard_normal())
+        if outlier_every and t % outlier_every == outlier_every - 1:
+            ms *= 10
+        budget.observe_step(batch, drafted, ms, 0.05)
+
+
+def learned_slope(budget, batch):
+    """ms per draft token at one token per row, drafter time excluded."""
+    t = budget.costs.step_ms(batch, batch)
+    return (t[batch] - t[0]) / batch
+
+
+@pytest.mark.parametrize("prior", ["h200_7b", "cpu_embedded"])
+@pytest.mark.parametrize("batch", [16, 64])
+def test_a_known_step_cost_is_learned_within_10_percent_in_300_steps(prior, batch):
+    budget = DraftBudget(COST_MODELS[prior], online=True)
+    drive(budget, linear_truth, batch, 300, np.random.default_rng(0))
+    assert learned_slope(budget, batch) == pytest.approx(0.8, rel=0.10)
+    base = budget.costs.step_ms(batch, 0)[0] - 0.05  # less the drafter's time
+    assert base == pytest.approx(linear_truth(batch, 0), rel=0.10)
+
+
+def test_exploration_stops_once_the_answer_is_clear():
+    budget = DraftBudget(COST_MODELS["h200_7b"], online=True)
+    rng = np.random.default_rng(1)
+    drive(budget, linear_truth, 64, 300, rng)
+    explored = budget.costs.steps_explored
+    assert explored >= 1  # the wrong prior was questioned...
+    drive(budget, linear_truth, 64, 300, rng)
+    assert budget.costs.steps_explored - explored <= 3  # ...and then left alone
+
+
+def test_cost_is_relearned_when_the_batch_size_changes():
+    budget = DraftBudget(COST_MODELS["cpu_embedded"], online=True)
+    rng = np.random.default_rng(2)
+    drive(budget, linear_truth, 128, 300, rng)
+    cheap = lambda b, m: 20.0 + 0.05 * m  # noqa: E731 - at 16 rows drafts cost little
+    drive(budget, cheap, 16, 300, rng)
+    assert learned_slope(budget, 16) == pytest.approx(0.05, rel=0.10)
+    assert learned_slope(budget, 128) == pytest.approx(0.8, rel=0.10)  # its own bucket kept
+
+
+def test_outliers_do_not_move_the_fit():
+    budget = DraftBudget(COST_MODELS["h200_7b"], online=True)
+    drive(budget, linear_truth, 64, 300, np.random.default_rng(3), outlier_every=10)
+    assert learned_slope(budget, 64) == pytest.approx(0.8, rel=0.10)
+    assert budget.costs.steps_rejected >= 20
+
+
+def test_where_drafts_do_not_pay_it_learns_to_send_none():
+    budget = DraftBudget(COST_MODELS["h200_7b"], online=True)  # prior: drafts are cheap
+    costly = lambda b, m: 10.0 + 2.0 * m  # noqa: E731 - each draft token costs 20% of a step
+    rng = np.random.default_rng(4)
+    drive(budget, costly, 16, 200, rng)
+    probs = np.cumprod(np.full((16, K), 0.6), axis=1)
+    budget.floor(16)
+    assert budget(probs, np.full(16, K, np.int64), 16).sum() == 0
+
+
+# -- the proposer: its clock, and which steps it charges ----------------------
+
+
+def stand_in(max_num_seqs=16):
+    return SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=K),
+        model_config=SimpleNamespace(max_model_len=4096),
+        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
+        additional_config={"consensus_spec": {"cost_model": "cpu_embedded", "warmup": False}},
+    )
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+        self.reads = 0
+
+    def __call__(self):
+        self.reads += 1
+        return self.now
+
+
+class Siblings:
+    """``rows`` sibling paths of one prompt that all write ``text`` (so
+    drafts from siblings are accepted), fed to the proposer as vLLM's runner
+    would, with the clock advanced by a known step cost."""
+
+    def __init__(self, proposer, rows, text, clock, truth):
+        self.p, self.rows, self.text, self.clock, self.truth = proposer, rows, text, clock, truth
+        self.prompt = [1, 2, 3, 4]
+        self.tokens = np.zeros((rows, len(self.prompt) + len(text) + K + 2), np.int32)
+        self.tokens[:, :len(self.prompt)] = self.prompt
+        self.n = np.full(rows, len(self.prompt), np.int32)
+        self.sampled = [[text[0]] for _ in range(rows)]
+        self._write(self.sampled)
+
+    def _write(self, sampled):
+        for i, new in enumerate(sampled):
+            self.tokens[i, self.n[i]:self.n[i] + len(new)] = new
+            self.n[i] += len(new)
+
+    def step(self):
+        drafts = self.p.propose(self.sampled, self.n, self.tokens)
+        drafted, sampled = 0, []
+        for i, d in enumerate(drafts):
+            pos = int(self.n[i]) - len(self.prompt)
+            future = self.text[pos:pos + len(d) + 1]
+            acc = 0
+            while acc < len(d) and acc < len(future) - 1 and d[acc] == future[acc]:
+                acc += 1
+            sampled.append(future[:acc + 1])
+            drafted += len(d)
+        self.clock.now += self.truth(self.rows, drafted) / 1000.0
+        self._write(sampled)
+        self.sampled = sampled
+
+
+def test_proposer_reads_its_replaceable_clock_and_times_only_clean_steps():
+    proposer = ConsensusProposer(stand_in())
+    clock = Clock()
+    proposer.clock = clock  # replaced after construction, as a replay harness does
+    text = [10 + (t * 3) % 10 for t in range(400)]  # period 10: draftable
+    run = Siblings(proposer, 8, text, clock, linear_truth)
+    for _ in range(40):
+        run.step()
+    c = proposer.counters()
+    assert clock.reads >= 80  # start and end of every call
+    assert c["online_costs"] and c["num_drafted"] > 0 and c["num_accepted"] > 0
+    # the first call saw 8 new paths (prefill): not attributable; the rest are clean
+    assert c["steps_unattributed"] == 1 and c["steps_timed"] == 39
+    learned = c["step_costs"]
+    assert learned["batch"] == 8 and learned["observed_in_bucket"] > 20
+    # the clock said one step of 8 rows costs 11.4 ms without drafts
+    assert learned["ms_per_step"][0] == pytest.approx(linear_truth(8, 0), rel=0.1)
+
+
+def test_a_step_with_a_new_row_is_not_charged():
+    proposer = ConsensusProposer(stand_in())
+    clock = Clock()
+    proposer.clock = clock
+    text = [10 + (t * 3) % 10 for t in range(400)]  # period 10: draftable
+    run = Siblings(proposer, 4, text, clock, linear_truth)
+    for _ in range(5):
+        run.step()
+    timed = proposer.steps_timed
+    # a fifth row arrives (its prefill ran in this step): the step is not charged
+    run.rows = 5
+    run.tokens = np.vstack([run.tokens, run.tokens[:1] * 0])
+    run.tokens[4, :4] = [9, 9, 9, 9]
+    run.tokens[4, 4] = 77
+    run.n = np.append(run.n, 5).astype(np.int32)
+    run.sampled.append([77])
+    run.text = run.text
+    proposer.propose(run.sampled, run.n, run.tokens)
+    assert proposer.steps_timed == timed and proposer.steps_unattributed == 2
+
+
+def test_online_costs_can_be_turned_off():
+    cfg = stand_in()
+    cfg.additional_config["consensus_spec"]["online_costs"] = False
+    proposer = ConsensusProposer(cfg)
+    assert proposer.budget.costs is None
+    assert proposer.counters()["online_costs"] is False
