@@ -344,3 +344,126 @@ def test_garbage_never_reads_or_returns_past_the_buffer():
         assert np.all((0 <= update.begins) & (update.begins <= update.ends) & (update.ends <= width))
         assert np.all(update.ends - update.begins >= [len(sampled[i]) for i in update.rows])
     assert b.tracker.rows_rejected > 0 and b.tracker.paths_resumed > 0
+
+
+class Released(Batch):
+    """A Batch whose tracker has small caps and records what it releases."""
+
+    def __init__(self, rows=8, width=64, max_parked=6, max_per_key=2):
+        super().__init__(rows, width)
+        self.released = []
+        self.tracker = RowTracker(self._start, self.released.append, max_parked=max_parked,
+                                  max_per_key=max_per_key)
+
+    def finish_all(self):
+        """Every row's request finishes: the batch is empty next step."""
+        self.n[:] = 0
+        self.tracker.update([], self.n, self.buf)
+
+    def check_bounds(self):
+        t = self.tracker
+        held = set(t._path.tolist()) - {-1}
+        parked = [p for paths in t._parked.values() for p in paths]
+        assert t.num_parked == len(parked) <= t._max_parked
+        assert all(len(paths) <= t._max_per_key for paths in t._parked.values())
+        assert t.num_parked_keys == len(t._parked)
+        # the length index has an entry per parked key, no more
+        assert sorted(t._parked_lengths) == t._lengths_sorted
+        assert sum(t._parked_lengths.values()) == len(t._parked)
+        # each path is held by a row, parked, or released, exactly one of them, once
+        assert len(self.released) == len(set(self.released)) == t.paths_released
+        assert not (set(self.released) & (held | set(parked))) and not held & set(parked)
+        assert len(held) + len(parked) + len(self.released) == t.paths_started
+
+
+def test_identical_finished_paths_are_capped_per_key_and_released():
+    # one prompt sampled greedily, n=4: four identical paths, sent again and again
+    b = Released(rows=4, max_parked=100, max_per_key=2)
+    for request in range(30):
+        for r in range(4):
+            b.load(r, [5, 6, 7])
+        for step in range(3):
+            b.step([[1, 2]] * 4)
+        b.finish_all()
+        b.check_bounds()
+        assert b.tracker.num_parked == 2 and b.tracker.num_parked_keys == 1
+    assert b.tracker.paths_started == 4 * 30 and b.tracker.paths_released == 4 * 30 - 2
+    assert b.released[:2] == [0, 1]  # the oldest copies go first
+
+
+def test_parked_paths_are_capped_in_all_least_recently_parked_first():
+    # short identical answers of different prompts: a key per prompt
+    b = Released(rows=4, max_parked=5, max_per_key=2)
+    keys = []
+    for request in range(12):
+        for r in range(4):
+            b.load(r, [40 + request % 7, 6, 7])
+        b.step([[1]] * 4)
+        keys.append((4, reference_hash([40 + request % 7, 6, 7, 1])))
+        b.finish_all()
+        b.check_bounds()
+        assert b.tracker.num_parked == min(2 * (request + 1), 5)
+    # the parked are the newest: the last two prompts' two copies, one of the third last
+    assert list(b.tracker._parked) == keys[-3:]
+    assert [len(p) for p in b.tracker._parked.values()] == [1, 2, 2]
+    assert b.tracker.paths_released == 4 * 12 - 5
+
+
+def test_identical_preempted_rows_resume_up_to_the_cap_then_start_new_paths():
+    b = Released(rows=4, max_parked=100, max_per_key=2)
+    for r in range(4):
+        b.load(r, [5, 6, 7])
+    b.step([[1]] * 4)
+    b.step([[2]] * 4)
+    ids = [b.path(r) for r in range(4)]
+    b.n[1:] = 0
+    b.step([[3]])  # rows 1-3 preempted: three identical paths
+    b.check_bounds()
+    assert b.tracker.num_parked == 2 and b.released == [ids[1]]
+    for r in range(1, 4):  # all resume, one step further on
+        b.load(r, [5, 6, 7, 1, 2, 3])
+    out = b.step([[4]] * 4)  # checks every path's tokens are its row's
+    assert b.tracker.paths_resumed == 2 and b.tracker.paths_started == 5  # and a new one
+    assert {out[r][0] for r in (1, 2, 3)} >= {ids[2], ids[3]}
+    assert b.tracker.num_parked == 0
+    b.check_bounds()
+    for _ in range(3):
+        out = b.step([[5]] * 4)
+        assert all(contiguous for _, _, contiguous in out.values())
+        assert b.tracker.paths_started == 5
+
+
+def test_the_caps_are_checked():
+    with pytest.raises(ValueError):
+        RowTracker(lambda prompt: 0, max_per_key=0)
+    with pytest.raises(ValueError):
+        RowTracker(lambda prompt: 0, max_parked=-1)
+
+
+@pytest.mark.parametrize("variant", ["one_prompt", "short_answers"])
+def test_repeated_requests_keep_parked_and_live_paths_bounded(variant):
+    from tests import repeat_probe
+
+    rows, n = 64, 8
+    max_parked = 64 + 4 * rows  # what the proposer passes with max_num_seqs = rows
+    if variant == "one_prompt":  # one key: the per-key cap binds
+        make, parked_bound = repeat_probe.fixed_prompt_requests(), rows_module._MAX_PER_KEY
+    else:  # 64 prompts, a key each: the total cap binds
+        make, parked_bound = repeat_probe.short_answer_requests(), max_parked
+    seen = []
+
+    def check(proposer, finished):
+        parked, live = proposer.rows.num_parked, proposer.drafter.num_paths
+        assert parked <= parked_bound and live <= rows + parked
+        assert proposer.drafter.num_live_groups <= live
+        seen.append((parked, live))
+
+    out = repeat_probe.run(requests=300, rows=rows, n=n, make=make, trace=False,
+                           warmup_requests=0, on_request=check)
+    assert len(seen) == 300 and out["acceptance"] > 0.9
+    c = out["counters"]
+    assert c["paths_started"] == 300 * n
+    assert c["paths_released"] + c["live_paths"] == 300 * n  # live: in rows or parked
+    assert c["num_parked"] == parked_bound  # full at the end: nothing leaked past the caps
+    assert c["path_slots"] <= 2 * (rows + parked_bound)
+    assert c["evictions"] == 0 and c["groups"] == (1 if variant == "one_prompt" else 64)

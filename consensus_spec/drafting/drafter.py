@@ -13,6 +13,18 @@ forgotten least recently used, the cross-group trie restarts beyond a token
 budget, and once the arena holds ``max_trie_nodes`` nodes tries are evicted
 (see :meth:`ConsensusDrafter._evict`): forgotten ones first, then idle
 groups least recently used, then the cross-group trie, live groups last.
+
+The bound on each structure:
+
+- per-path arrays (group, cursors): the most paths live at once, rounded up
+  to a power of two. Released ids are reused, so this is the caller's
+  bound: a path never released keeps its slot and its group live (the
+  proposer's row tracker holds at most the batch plus ``max_parked``);
+- remembered groups: ``max_group_tokens`` prompt tokens (LRU); a forgotten
+  group lives on while it has live paths or its trie is in the arena;
+- the arena: about ``max_trie_nodes`` nodes (evicting down to ``EVICT_TO``
+  of it; the node array keeps its capacity, the edge table shrinks with
+  its edges), and a trie per group or cross-group trie it holds.
 """
 
 from __future__ import annotations
@@ -96,6 +108,7 @@ class ConsensusDrafter:
         self._free: list[int] = []
         self._cursor = np.zeros((0, 2), np.int64)  # path -> (node in group trie, in cross trie)
         self._clock = 0  # counts add_path and release calls, for LRU order
+        self._live_groups = 0  # groups with unreleased paths
         limit = self.options.max_trie_nodes
         self.forest = SuffixForest(self.options.max_depth, min(1 << 16, limit), soft_capacity=limit)
         self._owners: dict[int, Group | None] = {}  # root -> its group (None: a cross-group trie)
@@ -115,6 +128,28 @@ class ConsensusDrafter:
     def num_paths(self) -> int:
         """Paths added and not released."""
         return len(self._path_group) - len(self._free)
+
+    @property
+    def num_live_groups(self) -> int:
+        """Groups with paths added and not released (remembered or not)."""
+        return self._live_groups
+
+    @property
+    def path_slots(self) -> int:
+        """Rows of the per-path arrays: the most paths ever live at once,
+        rounded up to a power of two, at least 64 (released ids are reused)."""
+        return len(self._path_group)
+
+    @property
+    def num_tries(self) -> int:
+        """Tries in the arena: groups' (until evicted) and cross-group ones
+        (a restarted one stays, as garbage, until the next eviction)."""
+        return len(self._owners)
+
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes of the forest's arrays (nodes, their roots, the edge table)."""
+        return self.forest.nbytes
 
     def num_nodes(self) -> int:
         """Trie nodes held, for memory checks."""
@@ -158,6 +193,7 @@ class ConsensusDrafter:
     def _use(self, group: Group, paths: int) -> None:
         self._clock += 1
         group.used = self._clock
+        self._live_groups += (group.live + paths > 0) - (group.live > 0)
         group.live += paths
 
     def extend(self, paths, tokens: list[list[int]]) -> None:

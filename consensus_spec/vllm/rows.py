@@ -38,6 +38,35 @@ doesn't fit the buffer sits the step out and its path is freed, to be
 resumed once the row makes sense again (``rows_rejected`` counts these).
 One compiled call per step matches every row; only parking, resuming and
 new paths run in Python.
+
+What it holds, and the bound on each (so an engine that serves the same
+request forever holds the same memory after warm-up):
+
+- per-row arrays (path, length, last four tokens, hash, state, count: 72
+  bytes a row, plus ``_MAX_MISSED + 1`` hashes, 520 bytes, for resuming):
+  as many rows as the largest batch seen (at most vLLM's ``max_num_seqs``),
+  never shrunk;
+- parked paths: at most ``max_parked`` in all and ``max_per_key`` under one
+  (length, hash); the index of their lengths has an entry per parked key.
+  A path the tracker lets go of (dropped from the parked, never resumed) is
+  handed to ``release_path`` once, so the paths it keeps the drafter holding
+  are at most the batch's rows plus ``max_parked``.
+
+Why two caps. Finished and preempted paths look alike (a row stops showing
+the path), so both park, and finished ones are the many. Paths with equal
+(length, hash) have the same tokens and are interchangeable, so a key needs
+only as many paths as rows that could resume with that sequence, each
+resumed row taking one (``_unpark``): identical rows preempted together,
+such as greedy siblings of one request. ``max_per_key`` (16) keeps room for
+that many; beyond it the oldest copy is released, so identical finished
+paths (a request repeated with greedy outputs, short identical answers)
+cannot fill the parked and push out paths that may still resume. Should
+more identical rows than that resume, the extra ones start new paths
+(prompt: all their tokens so far): still tracked right, only drafting from
+their own history and the cross-group trie instead of their siblings'
+group. ``max_parked`` bounds the total, least recently parked keys dropped
+first, one path at a time. Both caps only ever forget, which costs a
+resume, never a wrong match.
 """
 
 from __future__ import annotations
@@ -52,6 +81,7 @@ from ..jit import Kernels
 
 _TAIL = 4          # last tokens compared for an exact continuation
 _MAX_MISSED = 64   # tokens a parked path may have advanced during missed steps
+_MAX_PER_KEY = 16  # parked paths kept with one (length, hash): see the module docstring
 _IDLE, _EXACT, _OTHER = 0, 1, 2  # row states from _match
 _MUL = np.uint64(0x9E3779B97F4A7C15)  # odd: each hash step is a bijection
 _SHIFT = np.uint64(32)
@@ -230,8 +260,17 @@ class RowUpdate(NamedTuple):
 
 
 class RowTracker:
+    """Which path each batch row holds (see the module docstring).
+
+    ``start_path(prompt)`` makes a new path id; ``release_path(path)`` is
+    called once for each path the tracker forgets. ``max_parked``: paths
+    kept, in all, for rows that may resume them; ``max_per_key``: of those,
+    paths with one same (length, hash), i.e. identical token sequences."""
+
     def __init__(self, start_path: Callable, release_path: Callable | None = None,
-                 max_parked: int = 4096):
+                 max_parked: int = 4096, max_per_key: int = _MAX_PER_KEY):
+        if max_parked < 0 or max_per_key < 1:
+            raise ValueError("need max_parked >= 0 and max_per_key >= 1")
         kernel.compile()
         self._start_path = start_path      # prompt tokens -> new path id
         self._release_path = release_path  # path id -> None, once it is forgotten
@@ -242,15 +281,34 @@ class RowTracker:
         self._window = np.zeros((0, _MAX_MISSED + 1), np.uint64)  # see _match
         self._state = np.zeros(0, np.int64)  # row -> _IDLE, _EXACT or _OTHER this step
         self._counts = np.zeros(0, np.int64)  # row -> tokens sampled this step
-        self._parked: OrderedDict[tuple, list] = OrderedDict()  # (length, hash) -> paths
+        # (length, hash) -> paths, oldest first; keys least recently parked first
+        self._parked: OrderedDict[tuple, list] = OrderedDict()
         self._parked_lengths: dict[int, int] = {}  # length -> parked keys with it
         self._lengths_sorted: list[int] = []  # those lengths, ascending
+        self._num_parked = 0  # paths in _parked
         self._max_parked = max_parked
+        self._max_per_key = max_per_key
+        self.paths_released = 0  # forgotten (handed to release_path), never to resume
         self.paths_started = 0
         self.paths_resumed = 0  # taken back from the parked
         self.paths_moved = 0    # found in another row than last step
         self.tokens_missed = 0  # tokens generated while no propose call saw them
         self.rows_rejected = 0  # row-steps skipped for inconsistent inputs
+
+    @property
+    def num_parked(self) -> int:
+        """Paths parked for rows that may resume them (at most ``max_parked``)."""
+        return self._num_parked
+
+    @property
+    def num_parked_keys(self) -> int:
+        """Distinct (length, hash) among the parked paths."""
+        return len(self._parked)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows the per-row arrays hold: the largest batch seen."""
+        return len(self._lens)
 
     def update(self, sampled_token_ids, num_tokens, token_ids) -> RowUpdate:
         """Where each row's new tokens are, and whose they are. Call once per step.
@@ -326,11 +384,23 @@ class RowTracker:
                 insort(self._lengths_sorted, length)
             self._parked_lengths[length] = self._parked_lengths.get(length, 0) + 1
         bucket.append(path)
+        self._num_parked += 1
         self._parked.move_to_end(key)
-        while len(self._parked) > self._max_parked:
-            for old in self._drop(next(iter(self._parked))):
-                if self._release_path is not None:
-                    self._release_path(old)
+        if len(bucket) > self._max_per_key:  # identical copies: the newest suffice
+            self._release(bucket.pop(0))
+        while self._num_parked > self._max_parked:  # least recently parked key, oldest path
+            key = next(iter(self._parked))
+            bucket = self._parked[key]
+            if len(bucket) == 1:
+                self._drop(key)
+            self._release(bucket.pop(0))
+
+    def _release(self, path: int) -> None:
+        """Forget a path taken out of the parked."""
+        self._num_parked -= 1
+        self.paths_released += 1
+        if self._release_path is not None:
+            self._release_path(path)
 
     def _unpark(self, row: int, base: int):
         """(path, length) of a parked path whose sequence is row's first
@@ -347,11 +417,14 @@ class RowTracker:
                 return None
         bucket = self._parked[k]
         path = bucket.pop()
+        self._num_parked -= 1
         if not bucket:
             self._drop(k)
         return path, k[0]
 
     def _drop(self, key: tuple) -> list:
+        """Remove a key from the parked; returns its paths (the caller
+        accounts for them)."""
         left = self._parked_lengths[key[0]] - 1
         if left:
             self._parked_lengths[key[0]] = left
