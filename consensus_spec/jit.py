@@ -9,6 +9,21 @@ is imported only then.
 
 from __future__ import annotations
 
+import os
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _cache_dir_fallback() -> None:
+    """Numba caches compiled kernels beside the source (a first engine start
+    compiles for about 20 s of CPU). Where that folder is read-only (a
+    system-wide install), use a per-user cache instead of compiling in
+    every process. Must run before numba is imported."""
+    if os.environ.get("NUMBA_CACHE_DIR") or os.access(_PACKAGE_DIR, os.W_OK):
+        return
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    os.environ["NUMBA_CACHE_DIR"] = os.path.join(base, "consensus_spec", "numba")
+
 
 class Kernels:
     """Marks functions of one module for ``njit`` and swaps them in on ``compile()``."""
@@ -31,6 +46,7 @@ class Kernels:
             for name in other._names:
                 if name in self._namespace:
                     self._namespace[name] = other._namespace[name]
+        _cache_dir_fallback()
         from numba import njit
 
         for name in self._names:  # callees are looked up when a caller first runs

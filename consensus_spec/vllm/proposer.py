@@ -92,20 +92,29 @@ class ConsensusProposer:
 
     def _warm_up(self) -> float:
         """Run every compiled kernel once on a made-up batch (vLLM's dtypes),
-        so the first request pays no compilation; then start afresh."""
+        the step-cost fit included, so the first request pays no
+        compilation; then start afresh (what the made-up steps taught is
+        dropped with them)."""
         t0 = time.perf_counter()
         tokens = np.zeros((2, 64), np.int32)
         lengths = np.array([8, 8], np.int32)
         tokens[:, :8] = np.arange(8)
+        fake = [0.0]
         try:
-            for step in range(3):
-                sampled = [[20 + step], [20 + step]]
-                tokens[:, lengths[0]] = 20 + step
+            for step in range(6):
+                sampled = [[20 + step % 2], [20 + step % 2]]
+                tokens[:, lengths[0]] = 20 + step % 2
                 lengths += 1
-                self._propose(sampled, lengths, tokens)
+                self._propose(sampled, lengths, tokens, start=fake[0])
+                self._last_end, self._last_call_s = fake[0] + 1e-4, 1e-4
+                fake[0] += 0.01
+            if self.budget is not None and self.budget.costs is not None:
+                self.budget.costs.uncertainty(2)  # exploration's kernel
         except Exception:  # noqa: BLE001 - the first real step will tell
             logger.warning("consensus_spec: warm-up failed; kernels compile on first use",
                            exc_info=True)
+        self.budget = None  # nothing learned from made-up steps survives
+        self.steps_timed = self.steps_unattributed = 0
         self._reset()
         return time.perf_counter() - t0
 
@@ -225,8 +234,14 @@ class ConsensusProposer:
             "num_failures": self.num_failures, "num_resets": self.num_resets,
             "disabled": self.disabled, "paths_started": rows.paths_started,
             "paths_resumed": rows.paths_resumed, "paths_moved": rows.paths_moved,
-            "tokens_missed": rows.tokens_missed, "num_groups": self.drafter.num_groups,
-            "trie_nodes": self.drafter.num_nodes(),
+            "tokens_missed": rows.tokens_missed, "rows_rejected": rows.rows_rejected,
+            "num_groups": self.drafter.num_groups, "trie_nodes": self.drafter.num_nodes(),
+            # memory: every structure has a bound (consensus_spec/drafting/drafter.py,
+            # consensus_spec/vllm/rows.py); these show where it stands
+            "arena_bytes": self.drafter.arena_bytes, "live_groups": self.drafter.num_live_groups,
+            "live_paths": self.drafter.num_paths, "path_slots": self.drafter.path_slots,
+            "parked_paths": rows.num_parked, "paths_released": rows.paths_released,
+            "evictions": self.drafter.evictions,
             **self._cost_counters(),
         }
 
