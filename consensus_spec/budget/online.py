@@ -46,7 +46,7 @@ EXPLORE_EVERY = 4       # at most one step in this many explores, per bucket
 EXPLORE_ABOVE = 0.1     # ...while the cost of a draft token is this uncertain (relative sd)
 EXPLORE_STEP_SHARE = 0.01  # ...and its sd is this share of a step (below, no decision moves much)
 DECAY = 0.99            # forgetting per observation in a bucket (~100-step memory)
-PRIOR_SD = (1.0, 1.0, 1.0)  # prior spread of a (relative), c1, c2 (relative to a)
+PRIOR_SD_A, PRIOR_SD_C1, PRIOR_SD_C2 = 1.0, 1.0, 1.0  # prior spreads, in units of a
 NOISE0 = 0.05           # relative noise assumed before any residual is seen
 MIN_NOISE = 0.01        # relative: no machine times its steps better than this
 REJECT_SIGMAS = 5.0     # residuals beyond this many sigmas are outliers...
@@ -117,22 +117,28 @@ def _fit(prec, rhs, out):
     out[:] = keep
 
 
+# A bucket's state, one row of floats (few kernel arguments: cheap calls).
+XTX, XTY, COUNT, NOISE, REJECTS, THETA, PRIOR, DRAFTER, DRAFTER_N, DRAFTED = 0, 9, 12, 13, 14, 15, 18, 21, 22, 23
+OBSERVED, EXPLORED_AT, WIDTH = 24, 25, 26
+
+
 @kernel
-def _posterior(b, xtx, xty, noise, prior_mean, prior_sd, theta_a, prec, rhs):
+def _posterior(state, b, scale, prec, rhs):
     """Precision matrix and right-hand side of bucket b's posterior. The
-    prior on c2 is centred on r * a (r = prior_mean[b, 2]), and every prior
-    spread is relative to the step's scale a: the prior speaks in shares of
-    a step, whatever the machine's speed."""
-    s2 = noise[b]
+    prior on c2 is centred on r * a (r: the prior's third entry), and every
+    prior spread is relative to the step's scale (a): the prior speaks in
+    shares of a step, whatever the machine's speed."""
+    s = state[b]
+    s2 = s[NOISE]
     for i in range(3):
-        rhs[i] = xty[b, i] / s2
+        rhs[i] = s[XTY + i] / s2
         for j in range(3):
-            prec[i, j] = xtx[b, i, j] / s2
-    scale = max(theta_a, 1e-3)
-    pa = 1.0 / (prior_sd[0] * scale) ** 2
-    p1 = 1.0 / (prior_sd[1] * scale) ** 2
-    p2 = 1.0 / (prior_sd[2] * scale) ** 2
-    a0, c10, r = prior_mean[b, 0], prior_mean[b, 1], prior_mean[b, 2]
+            prec[i, j] = s[XTX + 3 * i + j] / s2
+    scale = max(scale, 1e-3)
+    pa = 1.0 / (PRIOR_SD_A * scale) ** 2
+    p1 = 1.0 / (PRIOR_SD_C1 * scale) ** 2
+    p2 = 1.0 / (PRIOR_SD_C2 * scale) ** 2
+    a0, c10, r = s[PRIOR], s[PRIOR + 1], s[PRIOR + 2]
     prec[0, 0] += pa + p2 * r * r
     rhs[0] += pa * a0
     prec[1, 1] += p1
@@ -143,46 +149,75 @@ def _posterior(b, xtx, xty, noise, prior_mean, prior_sd, theta_a, prec, rhs):
 
 
 @kernel
-def _observe(b, x, y, xtx, xty, count, noise, rejects, theta, prior_mean, prior_sd, decay):
-    """Add one step (features x, relative time y) to bucket b; refit.
+def _observe(state, b, x1, x2, y, drafter, per_row):
+    """Add one step (relative time y at features 1, x1, x2) to bucket b and
+    refit; average the drafter's relative time and the drafts per row.
     Returns False for an outlier left out."""
-    r = y - (theta[b, 0] * x[0] + theta[b, 1] * x[1] + theta[b, 2] * x[2])
-    if count[b] >= 8.0 and r * r > REJECT_SIGMAS ** 2 * noise[b] and rejects[b] < MAX_REJECTS:
-        rejects[b] += 1
+    s = state[b]
+    r = y - (s[THETA] + s[THETA + 1] * x1 + s[THETA + 2] * x2)
+    if s[COUNT] >= 8.0 and r * r > REJECT_SIGMAS ** 2 * s[NOISE] and s[REJECTS] < MAX_REJECTS:
+        s[REJECTS] += 1
         return False
-    rejects[b] = 0
-    if count[b] < 1e-9:  # first step: the assumed noise, at this machine's scale
-        noise[b] = (NOISE0 * y) ** 2
-    elif count[b] >= 2.0:  # the first residuals only reflect the prior
-        noise[b] = decay * noise[b] + (1.0 - decay) * min(r * r, 16.0 * noise[b])
-        noise[b] = max(noise[b], (MIN_NOISE * theta[b, 0]) ** 2)
-    count[b] = decay * count[b] + 1.0
+    s[REJECTS] = 0
+    if s[COUNT] < 1e-9:  # first step: the assumed noise, at this machine's scale
+        s[NOISE] = (NOISE0 * y) ** 2
+    elif s[COUNT] >= 2.0:  # the first residuals only reflect the prior
+        s[NOISE] = DECAY * s[NOISE] + (1.0 - DECAY) * min(r * r, 16.0 * s[NOISE])
+        s[NOISE] = max(s[NOISE], (MIN_NOISE * s[THETA]) ** 2)
+    s[COUNT] = DECAY * s[COUNT] + 1.0
+    x = np.array([1.0, x1, x2])
     for i in range(3):
-        xty[b, i] = decay * xty[b, i] + x[i] * y
+        s[XTY + i] = DECAY * s[XTY + i] + x[i] * y
         for j in range(3):
-            xtx[b, i, j] = decay * xtx[b, i, j] + x[i] * x[j]
+            s[XTX + 3 * i + j] = DECAY * s[XTX + 3 * i + j] + x[i] * x[j]
     prec = np.empty((3, 3))
     rhs = np.empty(3)
-    a = theta[b, 0] if count[b] > 1.5 else y  # the scale the prior's spreads follow
-    _posterior(b, xtx, xty, noise, prior_mean, prior_sd, a, prec, rhs)
+    _posterior(state, b, s[THETA] if s[COUNT] > 1.5 else y, prec, rhs)
     out = np.empty(3)
     _fit(prec, rhs, out)
-    theta[b, 0], theta[b, 1], theta[b, 2] = out[0], out[1], out[2]
+    s[THETA], s[THETA + 1], s[THETA + 2] = out[0], out[1], out[2]
+    # the drafter's time: an eviction or a hiccup is counted, not believed
+    n = s[DRAFTER_N]
+    if n >= 8.0 and drafter > 4.0 * s[DRAFTER]:
+        drafter = 4.0 * s[DRAFTER]
+    n = min(n + 1.0, 1.0 / (1.0 - DECAY))
+    s[DRAFTER_N] = n
+    s[DRAFTER] += (drafter - s[DRAFTER]) / n
+    s[DRAFTED] += (per_row - s[DRAFTED]) / n
+    s[OBSERVED] += 1.0
     return True
 
 
 @kernel
-def _contrast_sd(b, v, xtx, xty, noise, prior_mean, prior_sd, theta):
-    """Posterior standard deviation of v . theta in bucket b."""
+def _table(state, b, base, inc, batch, shade, drafter, out):
+    """out[m]: predicted step time (ms) with m draft tokens."""
+    s = state[b]
+    a, c1, c2 = max(s[THETA], 1e-3), s[THETA + 1], s[THETA + 2]
+    fixed = a + (s[DRAFTER] if drafter else 0.0)
+    k = max(1.0 + shade, 0.0)
+    for m in range(out.shape[0]):
+        out[m] = base * (fixed + k * max(c1 * m / batch + c2 * inc[m], 0.0))
+
+
+@kernel
+def _contrast_sd(state, b, v0, v1, v2):
+    """Posterior standard deviation of (v0, v1, v2) . theta in bucket b."""
     prec = np.empty((3, 3))
     rhs = np.empty(3)
-    _posterior(b, xtx, xty, noise, prior_mean, prior_sd, theta[b, 0], prec, rhs)
+    _posterior(state, b, state[b, THETA], prec, rhs)
+    v = np.array([v0, v1, v2])
     out = np.empty(3)
     _solve(prec, v, np.ones(3, np.bool_), out)
     return math.sqrt(max(v[0] * out[0] + v[1] * out[1] + v[2] * out[2], 0.0))
 
 
+_LOG2 = [0] + [min(int(round(BUCKETS_PER_OCTAVE * math.log2(n))), MAX_BUCKETS - 1)
+               for n in range(1, 4097)]
+
+
 def bucket_of(batch: int) -> int:
+    if 0 <= batch < len(_LOG2):
+        return _LOG2[batch]
     return min(int(round(BUCKETS_PER_OCTAVE * math.log2(max(batch, 1)))), MAX_BUCKETS - 1)
 
 
@@ -192,24 +227,14 @@ class OnlineStepCosts:
     def __init__(self, prior: StepCostModel):
         kernel.compile()
         self.prior = prior
-        nb = MAX_BUCKETS
-        self._xtx = np.zeros((nb, 3, 3))
-        self._xty = np.zeros((nb, 3))
-        self._count = np.zeros(nb)
-        self._noise = np.full(nb, NOISE0 ** 2)
-        self._rejects = np.zeros(nb, np.int64)
-        self._theta = np.tile(np.array([1.0, 0.0, 1.0]), (nb, 1))
-        self._prior_mean = np.tile(np.array([1.0, 0.0, 1.0]), (nb, 1))  # a0, c1_0, c2/a
-        self._prior_sd = np.array(PRIOR_SD)
-        self._started = np.zeros(nb, bool)
-        self._drafter = np.zeros(nb)      # drafter time / P(B), averaged
-        self._drafter_n = np.zeros(nb)
-        self._drafted = np.zeros(nb)      # draft tokens per row per step, averaged
-        self._steps = np.zeros(nb, np.int64)  # budget decisions taken in the bucket
-        self._observed = np.zeros(nb, np.int64)  # steps fitted in the bucket
-        self._explored_at = np.full(nb, -1, np.int64)  # _observed at the last exploration
+        self._state = np.zeros((MAX_BUCKETS, WIDTH))
+        self._state[:, NOISE] = NOISE0 ** 2
+        self._state[:, THETA:THETA + 3] = (1.0, 0.0, 1.0)
+        self._state[:, PRIOR:PRIOR + 3] = (1.0, 0.0, 1.0)  # a0, c1_0, c2 / a
+        self._state[:, EXPLORED_AT] = -1.0
         self._increments: OrderedDict[int, tuple[float, np.ndarray]] = OrderedDict()
-        self._x = np.empty(3)
+        self._started = [False] * MAX_BUCKETS  # plain lists: read every step, cheaply
+        self._steps = [0] * MAX_BUCKETS
         self.steps_observed = 0
         self.steps_rejected = 0   # outliers left out of the fit
         self.steps_explored = 0
@@ -229,17 +254,22 @@ class OnlineStepCosts:
                 self._increments.popitem(last=False)
         return hit
 
-    def _start(self, b: int) -> None:
-        """A bucket's first use: borrow the fit of the nearest trained bucket."""
-        self._started[b] = True
-        trained = np.flatnonzero(self._count >= MIN_EFFECTIVE)
-        if len(trained):
-            near = trained[np.argmin(np.abs(trained - b))]
-            a, c1, c2 = self._theta[near]
-            self._prior_mean[b] = (a, c1, c2 / a if a > 0 else 1.0)
-            self._theta[b] = self._theta[near]
-            self._drafter[b] = self._drafter[near]
-            self._drafter_n[b] = min(self._drafter_n[near], 1.0)
+    def _bucket(self, batch: int) -> int:
+        """The bucket of ``batch``; at its first use, it borrows the fit of
+        the nearest trained bucket."""
+        b = bucket_of(batch)
+        if not self._started[b]:
+            self._started[b] = True
+            state = self._state
+            trained = np.flatnonzero(state[:, COUNT] >= MIN_EFFECTIVE)
+            if len(trained):
+                near = state[trained[np.argmin(np.abs(trained - b))]]
+                a, c1, c2 = near[THETA:THETA + 3]
+                state[b, PRIOR:PRIOR + 3] = (a, c1, c2 / a if a > 0 else 1.0)
+                state[b, THETA:THETA + 3] = near[THETA:THETA + 3]
+                state[b, DRAFTER] = near[DRAFTER]
+                state[b, DRAFTER_N] = min(near[DRAFTER_N], 1.0)
+        return b
 
     # -- learning --------------------------------------------------------
 
@@ -249,23 +279,12 @@ class OnlineStepCosts:
         Returns False if the step was left out as an outlier."""
         if batch < 1 or drafted < 0 or not (step_ms > 0.0 and math.isfinite(step_ms)):
             return False
-        b = bucket_of(batch)
-        if not self._started[b]:
-            self._start(b)
+        b = self._bucket(batch)
         base, inc = self._prior_at(batch, drafted)
-        x = self._x
-        x[0], x[1], x[2] = 1.0, drafted / batch, inc[drafted]
-        ok = _observe(b, x, step_ms / base, self._xtx, self._xty, self._count, self._noise,
-                      self._rejects, self._theta, self._prior_mean, self._prior_sd, DECAY)
+        ok = _observe(self._state, b, drafted / batch, inc[drafted], step_ms / base,
+                      max(drafter_ms, 0.0) / base, drafted / batch)
         if ok:
             self.steps_observed += 1
-            self._observed[b] += 1
-            d, n = drafter_ms / base, self._drafter_n[b]
-            if n >= 8 and d > 4 * self._drafter[b]:
-                d = 4 * self._drafter[b]  # an eviction or a hiccup: counted, not believed
-            self._drafter_n[b] = n = min(n + 1, 1.0 / (1.0 - DECAY))
-            self._drafter[b] += (d - self._drafter[b]) / n
-            self._drafted[b] += (drafted / batch - self._drafted[b]) / n
         else:
             self.steps_rejected += 1
         return ok
@@ -273,54 +292,60 @@ class OnlineStepCosts:
     # -- predicting ------------------------------------------------------
 
     def step_ms(self, batch: int, tokens: int, shade: float = 0.0,
-                drafter: bool = True) -> np.ndarray:
+                drafter: bool = True, out: np.ndarray | None = None) -> np.ndarray:
         """Predicted step time (ms, the drafter's included unless ``drafter``
         is False) with 0..tokens draft tokens. ``shade`` scales the draft
-        tokens' cost by ``1 + shade``."""
-        b = bucket_of(batch)
-        if not self._started[b]:
-            self._start(b)
-        base, inc = self._prior_at(batch, tokens)
-        a, c1, c2 = self._theta[b]
-        m = np.arange(tokens + 1)
-        extra = c1 * m / batch + c2 * inc[:tokens + 1]
-        fixed = max(a, 1e-3) + (self._drafter[b] if drafter else 0.0)
-        return base * (fixed + max(1.0 + shade, 0.0) * np.maximum(extra, 0.0))
+        tokens' cost by ``1 + shade``. ``out``: an array to fill (its length
+        decides the tokens)."""
+        b = self._bucket(batch)
+        if out is None:
+            out = np.empty(tokens + 1)
+        base, inc = self._prior_at(batch, len(out) - 1)
+        _table(self._state, b, base, inc, batch, shade, drafter, out)
+        return out
 
-    def uncertainty(self, batch: int, of_step: bool = False) -> float:
-        """Relative standard deviation of the cost of one more draft token
-        per row, where the bucket has been drafting lately (``of_step``:
-        relative to the step's time instead)."""
-        b = bucket_of(batch)
-        m = int(round(self._drafted[b] * batch))
+    def uncertainty(self, batch: int) -> tuple[float, float]:
+        """Standard deviation of the cost of one more draft token per row,
+        where the bucket has been drafting lately: relative to that cost,
+        and relative to the step's time."""
+        b = self._bucket(batch)
+        s = self._state[b]
+        m = int(round(s[DRAFTED] * batch))
         _, inc = self._prior_at(batch, m + batch)
-        v = np.array([0.0, 1.0, inc[m + batch] - inc[m]])
-        sd = _contrast_sd(b, v, self._xtx, self._xty, self._noise, self._prior_mean,
-                          self._prior_sd, self._theta)
-        a, c1, c2 = self._theta[b]
-        if of_step:
-            return sd / max(a, 1e-3)
-        mean = c1 + c2 * v[2]
-        return sd / max(abs(mean), 0.01 * max(a, 1e-3))
+        v2 = inc[m + batch] - inc[m]
+        sd = _contrast_sd(self._state, b, 0.0, 1.0, v2)
+        a = max(s[THETA], 1e-3)
+        return sd / max(abs(s[THETA + 1] + s[THETA + 2] * v2), 0.01 * a), sd / a
 
     def explore_shade(self, batch: int) -> float:
         """How far (relative) to shade the draft-token cost down if this step
         explores; 0 if it should not: only every EXPLORE_EVERY-th decision in
-        a bucket, only while the cost is uncertain, and only once steps are
+        a bucket, only while the cost is uncertain, only once steps are
         being timed (an engine whose steps cannot be attributed learns
         nothing from exploring), and only while the uncertainty is worth a
         share of a step. The caller explores only if the bounds
         ``1 -/+ shade`` choose different drafts."""
-        b = bucket_of(batch)
+        b = self._bucket(batch)
         self._steps[b] += 1
         self.decisions += 1
-        if self._steps[b] % EXPLORE_EVERY != 1 or self._observed[b] == self._explored_at[b]:
+        if self._steps[b] % EXPLORE_EVERY != 1:
             return 0.0
-        sd = self.uncertainty(batch)
-        if sd <= EXPLORE_ABOVE or self.uncertainty(batch, of_step=True) <= EXPLORE_STEP_SHARE:
+        s = self._state[b]
+        if s[OBSERVED] == s[EXPLORED_AT]:
             return 0.0
-        self._explored_at[b] = self._observed[b]
-        return min(2.0 * sd, 0.9)
+        relative, of_step = self.uncertainty(batch)
+        if relative <= EXPLORE_ABOVE or of_step <= EXPLORE_STEP_SHARE:
+            return 0.0
+        s[EXPLORED_AT] = s[OBSERVED]
+        return min(2.0 * relative, 0.9)
+
+    def first_token_cost(self, batch: int, shade: float = 0.0) -> float:
+        """The cost of one draft token relative to the step without drafts
+        (drafter included): what the budget's floor needs, without a table."""
+        a, c1, c2, drafter = self._state[self._bucket(batch), [THETA, THETA + 1, THETA + 2, DRAFTER]].tolist()
+        inc1 = float(self._prior_at(batch, 1)[1][1])
+        extra = max(1.0 + shade, 0.0) * max(c1 / batch + c2 * inc1, 0.0)
+        return extra / (max(a, 1e-3) + drafter)
 
     def summary(self, batch: int) -> dict:
         """What was learned at this batch size: ms per step with 0, 1 and 2
@@ -329,9 +354,9 @@ class OnlineStepCosts:
             return {}
         t = self.step_ms(batch, 2 * batch)
         p = self.prior.step_ms(batch, np.array([1.0, 2.0, 3.0]))
-        b = bucket_of(batch)
+        s = self._state[bucket_of(batch)]
         return {"batch": batch, "ms_per_step": [round(float(t[i * batch]), 3) for i in range(3)],
                 "prior_ms_per_step": [round(float(x), 3) for x in p],
-                "drafter_ms": round(float(self._drafter[b] * self._prior_at(batch, 0)[0]), 3),
-                "observed_in_bucket": round(float(self._count[b]), 1),
-                "relative_sd": round(float(self.uncertainty(batch)), 3)}
+                "drafter_ms": round(float(s[DRAFTER] * self._prior_at(batch, 0)[0]), 3),
+                "observed_in_bucket": round(float(s[COUNT]), 1),
+                "relative_sd": round(float(self.uncertainty(batch)[0]), 3)}

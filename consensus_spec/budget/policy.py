@@ -120,7 +120,8 @@ class DraftBudget:
         self.calibrator = calibrator or AcceptanceCalibrator()
         self.costs = OnlineStepCosts(model) if online else None
         self._step_ms: OrderedDict[int, np.ndarray] = OrderedDict()  # batch -> T(batch, 1 + m/batch)
-        self._explore = False  # this step drafts as the lower bound on cost would
+        self._explore = False  # this step explores (see floor)
+        self._shade = 0.0
 
     def step_ms(self, batch: int, kept: int) -> np.ndarray:
         """Step times with 0..kept draft tokens in a batch of ``batch`` rows."""
@@ -142,13 +143,14 @@ class DraftBudget:
         less than that cost. Call once per step, before drafting: it also
         decides whether the step explores (then the floor is the lower
         bound's, which lets either bound's drafts through)."""
-        self._shade = self.costs.explore_shade(batch) if self.costs is not None else 0.0
-        self._explore = self._shade > 0.0
-        if self._explore:
-            t = self.costs.step_ms(batch, 1, shade=-self._shade)
-        else:
+        if self.costs is None:
             t = self.step_ms(batch, 1)
-        return self.calibrator.lowest_estimate_above(batch * (t[1] - t[0]) / t[0])
+            cost = (t[1] - t[0]) / t[0]
+        else:
+            self._shade = self.costs.explore_shade(batch)
+            self._explore = self._shade > 0.0
+            cost = self.costs.first_token_cost(batch, -self._shade)
+        return self.calibrator.lowest_estimate_above(batch * cost)
 
     def __call__(self, probs: np.ndarray, lengths: np.ndarray, batch: int) -> np.ndarray:
         """:func:`choose_lengths` with this budget's model and calibration;
