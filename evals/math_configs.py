@@ -10,7 +10,7 @@ class UsageError(Exception):
     """Bad command line: reported as one ``error:`` line, exit code 2."""
 
 
-RULE_PARAMS = {"predictive": ("error", float), "beta": ("error", float),
+RULE_PARAMS = {"sequential": ("error", float), "predictive": ("error", float), "beta": ("error", float),
                "window": ("window", int), "margin": ("margin", int)}
 
 

@@ -65,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tokens per sample (default 256 for synthetic, else 1024)")
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     ap.add_argument("--early-stop", nargs="*", metavar="RULE",
-                    help="adaptive stopping, list ok: off, on (default rule: predictive, error "
-                         "0.05), decided (exact), KIND[:VALUE] with KIND predictive/beta (error), "
+                    help="adaptive stopping, list ok: off, on (default rule: sequential, error "
+                         "0.2), decided (exact), KIND[:VALUE] with KIND sequential/predictive/beta (error), "
                          "window (run length) or margin (votes), or a number (margin); "
                          "bare flag: on")
     ap.add_argument("--waves", nargs="+", metavar="SPEC",

@@ -1,40 +1,48 @@
 """Replay adaptive stopping rules for self-consistency on recorded traces.
 
     python -m evals stopping [--traces FILE ...] [--limit N] [--perms 20]
-                             [--waves 1 2 4 rest] [--out results/stopping.json]
+                             [--waves 2] [--out results/stopping.json] [--plot PNG]
 
-Each problem's recorded completions are answered with ``extract_answer`` and
-clustered once (``cluster_answers``); samples are then fed to a rule in
-recorded order, in ``--perms`` seeded random orders and shortest-first (the
-order paths finish in when all run at once), and the problem stops when the
-rule says so.  A consumed sample counts all its tokens (GPT-2 BPE + EOS, as
-in :mod:`evals.traces`); with ``--waves`` the rule is checked only after whole
-waves, and every sample of a started wave counts.  Prints a markdown table,
-writes it next to a JSON file of all figures, and picks the default rule:
-fewest tokens subject to >= 99% agreement with the full-N vote on every set
-(recorded order and worst permutation) and >= 97% on the hard problems.
+Each problem's recorded completions are answered with ``extract_answer``
+(program-of-thought sets, ``*_pot_*``: :func:`program_answer`, which folds the
+arithmetic statically and never runs the program) and clustered once
+(``cluster_answers``); samples are then fed to a rule in recorded order, in
+``--perms`` seeded random orders and shortest-first (the order paths finish
+in when all run at once), and the problem stops when the rule says so.  A
+consumed sample counts all its tokens (GPT-2 BPE + EOS, as in
+:mod:`evals.traces`); the rule is checked only after whole waves (default
+waves of 2, as the default ``Schedule``; ``--waves 1``: after every path), and
+every sample of a started wave counts.  Prints a markdown table per set and
+rule (realized disagreement beside the nominal error), leave-one-set-out
+tables (:mod:`evals.stopping_cv`), writes them next to a JSON file of all
+figures, and names the default rule the cross-validation supports.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
+import operator
 import os
 import random
 import time
 from dataclasses import dataclass
+from fractions import Fraction
 
 from consensus_spec.voting.answers import answers_equal, extract_answer
 from consensus_spec.sampling.stopping import StopRule, should_stop_ids
 from consensus_spec.voting.vote import cluster_answers
 
+from .stopping_cv import GUARANTEED, choose_default, loso, markdown, pct, plot, summary
 from .traces import load_tokenizer, shared_path
 
 DEFAULT_TRACES = ("gsm8k_qwen3_4b_n8.jsonl", "addsub_codex002_n40.jsonl", "svamp_pot_codex002_n30.jsonl")
-SKIP = {"svamp_pot_codex002_n30.jsonl": "its completions are Python programs whose answer exists "
-                                        "only by running them, and model output is never executed"}
+SKIP: dict[str, str] = {}  # none: program-of-thought answers are folded statically (program_answer)
 HARD_SHARE = 0.6  # full-N winner share below this marks a hard problem
-TARGET_AGREE, TARGET_HARD = 0.99, 0.97
+MAX_PROGRAM_CHARS, MAX_MAGNITUDE = 4000, 10 ** 30
+_FOLD_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+             ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
 
 
 @dataclass
@@ -52,6 +60,63 @@ class VoteTrace:
         return max(votes.count(i) for i in set(votes)) / len(votes) if votes else 1.0
 
 
+def program_answer(text: str | None) -> str | None:
+    """The number a program-of-thought completion assigns to ``ans``, by
+    constant folding; None when it cannot be had that way.
+
+    The program is parsed (``ast.parse``) and never run: only straight-line
+    assignments to names of int/float literals, names assigned before, unary
+    -/+ and + - * / // % (** with a small integer exponent) are folded, in exact
+    fractions; anything else (calls, attributes, loops, imports, comparisons,
+    tuples), division by zero and huge numbers make the answer None."""
+    if not text or len(text) > MAX_PROGRAM_CHARS:
+        return None
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    env: dict[str, Fraction] = {}
+    for stmt in tree.body:
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+                and isinstance(stmt.targets[0], ast.Name)):
+            return None
+        try:
+            env[stmt.targets[0].id] = value = _fold(stmt.value, env, 0)
+        except (ZeroDivisionError, OverflowError, ValueError):
+            return None
+        if value is None:
+            return None
+    ans = env.get("ans")
+    return None if ans is None else str(ans.numerator) if ans.denominator == 1 \
+        else format(float(ans), ".10g")
+
+
+def _fold(node, env: dict[str, Fraction], depth: int) -> Fraction | None:
+    if depth > 50:
+        return None
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):  # not bool
+        value = Fraction(repr(node.value)) if isinstance(node.value, float) else Fraction(node.value)
+    elif isinstance(node, ast.Name):
+        value = env.get(node.id)
+    elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        inner = _fold(node.operand, env, depth + 1)
+        value = None if inner is None else (-inner if isinstance(node.op, ast.USub) else inner)
+    elif isinstance(node, ast.BinOp):
+        left, right = _fold(node.left, env, depth + 1), _fold(node.right, env, depth + 1)
+        if left is None or right is None:
+            return None
+        if isinstance(node.op, ast.Pow):  # small integer exponents only
+            ok = right.denominator == 1 and abs(right) <= 64 and abs(left) <= 10 ** 6
+            value = left ** int(right) if ok else None
+        else:
+            op = _FOLD_OPS.get(type(node.op))
+            value = None if op is None else Fraction(op(left, right))
+    else:
+        return None
+    ok = value is not None and max(abs(value.numerator), value.denominator) <= MAX_MAGNITUDE
+    return value if ok else None
+
+
 def gold_classes(answers: list, gold) -> tuple[list[int | None], list[bool] | None]:
     """Answers clustered into class ids (None: no answer), and per class
     whether its first answer equals ``gold`` (None when there is no gold)."""
@@ -65,7 +130,11 @@ def gold_classes(answers: list, gold) -> tuple[list[int | None], list[bool] | No
     return ids, [answers_equal(reps[i], str(gold)) for i in range(len(reps))]
 
 
-def load_vote_traces(path: str, tokenizer, limit: int | None = None) -> list[VoteTrace]:
+def load_vote_traces(path: str, tokenizer, limit: int | None = None, extract=None) -> list[VoteTrace]:
+    """``extract``: completion -> answer (default: :func:`program_answer` for
+    program-of-thought files, ``*_pot_*``, else ``extract_answer``)."""
+    if extract is None:
+        extract = program_answer if "_pot_" in os.path.basename(path) else extract_answer
     out = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -79,7 +148,7 @@ def load_vote_traces(path: str, tokenizer, limit: int | None = None) -> list[Vot
             comps = [c for c in comps or [] if isinstance(c, str) and c]
             if len(comps) < 2:
                 continue
-            ids, correct = gold_classes([extract_answer(c) for c in comps], obj.get("answer"))
+            ids, correct = gold_classes([extract(c) for c in comps], obj.get("answer"))
             tokens = [len(e.ids) + 1 for e in tokenizer.encode_batch(comps)]  # + EOS
             out.append(VoteTrace(str(obj.get("id", f"line{lineno}")), ids, tokens, correct))
     return out
@@ -193,7 +262,8 @@ def evaluate(traces: list[VoteTrace], rules: list[StopRule], perms: int = 20, se
         summary = dict(by_order["recorded"])
         summary["shortest_first"] = by_order["shortest"]
         if perm:
-            for key, worst in (("agreement", min), ("hard_agreement", min), ("tokens_frac", max)):
+            for key, worst in (("agreement", min), ("hard_agreement", min), ("tokens_frac", max),
+                               ("gold_acc", min), ("gold_acc_full", min)):
                 vals = [p[key] for p in perm if p[key] is not None]
                 summary[f"{key}_perm_mean"] = sum(vals) / len(vals) if vals else None
                 summary[f"{key}_perm_worst"] = worst(vals) if vals else None
@@ -203,63 +273,12 @@ def evaluate(traces: list[VoteTrace], rules: list[StopRule], perms: int = 20, se
 
 def grid() -> list[StopRule]:
     rules = [StopRule(kind="decided")]
-    for kind in ("predictive", "beta"):
-        rules += [StopRule(kind=kind, error=e, min_samples=m)
-                  for e in (0.01, 0.05, 0.1) for m in (2, 3, 4)]
+    rules += [StopRule(kind="sequential", error=e) for e in (0.01, 0.02, 0.05, 0.1, 0.2)]
+    rules += [StopRule(kind="predictive", error=e) for e in (0.005, 0.01, 0.02, 0.05, 0.1)]
+    rules += [StopRule(kind="beta", error=e) for e in (0.01, 0.05, 0.1)]
     rules += [StopRule(kind="window", window=w) for w in (3, 4, 5)]
     rules += [StopRule(kind="margin", margin=m, min_samples=m) for m in (2, 3, 4)]
     return rules
-
-
-def select(sets: dict[str, dict]) -> tuple[str, dict[str, dict]]:
-    """The rule with the fewest mean tokens that meets the agreement targets."""
-    table = {}
-    for name in next(iter(sets.values()))["rules"]:
-        rows = [s["rules"][name] for s in sets.values()]
-        hard_n = [s["hard_problems"] for s in sets.values()]
-        hard_vals = [r.get("hard_agreement_perm_mean", r["hard_agreement"]) for r in rows]
-        pooled = [(v, n) for v, n in zip(hard_vals, hard_n) if v is not None and n]
-        hard = sum(v * n for v, n in pooled) / sum(n for _, n in pooled) if pooled else None
-        agree_ok = all(r["agreement"] >= TARGET_AGREE and
-                       r.get("agreement_perm_worst", 1.0) >= TARGET_AGREE for r in rows)
-        tokens = sum(r.get("tokens_frac_perm_mean", r["tokens_frac"]) for r in rows) / len(rows)
-        table[name] = {"tokens_frac_mean": tokens, "hard_agreement_pooled": hard,
-                       "passes": agree_ok and (hard is None or hard >= TARGET_HARD)}
-    rules = next(iter(sets.values()))["rules"]
-    passing = [n for n, v in table.items() if v["passes"]] or ["decided"]
-    # Equal cost (e.g. min_samples that never binds): take the more cautious rule.
-    return min(passing, key=lambda n: (round(table[n]["tokens_frac_mean"], 9),
-                                       -rules[n]["rule"]["min_samples"], rules[n]["rule"]["error"])), table
-
-
-def pct(x, digits=1) -> str:
-    return "-" if x is None else f"{100 * x:.{digits}f}"
-
-
-def markdown(sets: dict[str, dict], chosen: str, table: dict[str, dict]) -> str:
-    lines = ["| set | rule | samples/N % | tokens % rec / perm mean / worst | agree % rec / "
-             "perm mean / worst | agree % shortest-first | hard agree % perm mean / worst (n) | "
-             "gold % stopped / full-N |",
-             "|---|---|---|---|---|---|---|---|"]
-    for set_name, s in sets.items():
-        for name, r in s["rules"].items():
-            gold = "-" if r["gold_acc"] is None else f"{pct(r['gold_acc'])} / {pct(r['gold_acc_full'])}"
-            mark = " **(default)**" if name == chosen else ""
-            lines.append(
-                f"| {set_name} | {name}{mark} | {pct(r['samples_frac'])} | "
-                f"{pct(r['tokens_frac'])} / {pct(r.get('tokens_frac_perm_mean'))} / "
-                f"{pct(r.get('tokens_frac_perm_worst'))} | {pct(r['agreement'], 2)} / "
-                f"{pct(r.get('agreement_perm_mean'), 2)} / {pct(r.get('agreement_perm_worst'), 2)} | "
-                f"{pct(r['shortest_first']['agreement'], 2)} | "
-                f"{pct(r.get('hard_agreement_perm_mean'))} / {pct(r.get('hard_agreement_perm_worst'))} "
-                f"({s['hard_problems']}) | {gold} |")
-    lines += ["", "| rule | mean tokens % over sets (perm mean) | hard agree % pooled | meets targets |",
-              "|---|---|---|---|"]
-    for name, v in sorted(table.items(), key=lambda kv: kv[1]["tokens_frac_mean"]):
-        mark = " **(default)**" if name == chosen else ""
-        lines.append(f"| {name}{mark} | {pct(v['tokens_frac_mean'])} | "
-                     f"{pct(v['hard_agreement_pooled'])} | {'yes' if v['passes'] else 'no'} |")
-    return "\n".join(lines)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -268,13 +287,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--limit", type=int, help="first N problems of each set")
     ap.add_argument("--perms", type=int, default=20, help="random sample orders per problem")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--waves", nargs="+", metavar="SIZE",
-                    help="check only after waves of these sizes, e.g. 1 2 4 rest (default: every sample)")
+    ap.add_argument("--waves", nargs="+", metavar="SIZE", default=["2"],
+                    help="check only after waves of these sizes, e.g. 1 2 4 rest (default: 2, as the "
+                         "default Schedule; 1: after every sample)")
     ap.add_argument("--tokenizer", help="tokenizer.json (default: shared GPT-2)")
     ap.add_argument("--out", default="results/stopping.json", help="JSON path (markdown next to it)")
+    ap.add_argument("--plot", help="PNG path for tokens against agreement per set and rule")
     args = ap.parse_args(argv)
-    if args.limit is not None and args.limit < 1 or args.perms < 0:
-        ap.error("--limit must be >= 1 and --perms >= 0")
+    if args.limit is not None and args.limit < 1 or args.perms < 1:
+        ap.error("--limit must be >= 1 and --perms >= 1")
     try:
         args.waves = parse_waves(args.waves)
     except ValueError as e:
@@ -289,12 +310,7 @@ def main(argv=None) -> int:
     rules = grid()
     sets, skipped = {}, {}
     for path in args.traces or [shared_path("traces", t) for t in DEFAULT_TRACES]:
-        base = os.path.basename(path)
-        name = base.removesuffix(".jsonl")
-        if base in SKIP:
-            skipped[name] = SKIP[base]
-            print(f"skipping {name}: {SKIP[base]}")
-            continue
+        name = os.path.basename(path).removesuffix(".jsonl")
         traces = load_vote_traces(path, tokenizer, args.limit)
         if not any(i is not None for t in traces for i in t.ids):
             skipped[name] = "no extractable answers"
@@ -310,18 +326,24 @@ def main(argv=None) -> int:
     if not sets:
         print("no trace set with extractable answers")
         return 1
-    chosen, table = select(sets)
-    text = markdown(sets, chosen, table)
+    folds, folds_any = loso(sets, GUARANTEED), loso(sets)
+    chosen = choose_default(sets, folds)
+    text = markdown(sets, chosen, folds, folds_any)
     print()
     print(text)
-    print(f"\ndefault by measurement: {chosen} (mean tokens {pct(table[chosen]['tokens_frac_mean'])}% "
-          f"of full-N; wall {time.perf_counter() - start:.1f}s)")
+    table = summary(sets)
+    print(f"\ndefault by leave-one-set-out: {chosen} (mean tokens {pct(table[chosen]['tokens_frac_mean'])}% "
+          f"of full-N over the sets; wall {time.perf_counter() - start:.1f}s)")
+    looks = "waves " + ",".join("rest" if w is None else str(w) for w in args.waves) \
+        if args.waves else "every path"
+    if args.plot and plot(sets, chosen, args.plot, looks):
+        print(f"wrote {args.plot}")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items()}, "hard_share": HARD_SHARE,
-                       "skipped": skipped, "sets": sets, "selection": table, "default": chosen},
-                      f, indent=1)
+                       "skipped": skipped, "sets": sets, "selection": table, "loso": folds,
+                       "loso_any_rule": folds_any, "default": chosen}, f, indent=1)
         with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
             f.write(text + "\n")
         print(f"wrote {args.out}")

@@ -132,7 +132,7 @@ def test_parse_args_normalises_lists(small_jsonl):
     assert math_eval.parse_early_stop(["off", "decided", "2", "on", "predictive:0.1", "window:5",
                                        "margin:4", "beta"]) == [
         None, StopRule(kind="decided"), StopRule(kind="margin", margin=2, min_samples=1),
-        StopRule(), StopRule(error=0.1), StopRule(kind="window", window=5),
+        StopRule(), StopRule(kind="predictive", error=0.1), StopRule(kind="window", window=5),
         StopRule(kind="margin", margin=4), StopRule(kind="beta")]
     assert math_eval.parse_waves(None) == ["auto"]
     parsed = math_eval.parse_waves(["auto", "all", "1,2,4,rest", "4", "4+no-fill"])

@@ -93,7 +93,7 @@ def test_statistical_rules_stop_earlier_on_unanimous_answers_than_decided():
 
 def test_split_votes_keep_sampling():
     answers = ["1", "2", "1", "2", "1", "2"]
-    for kind in ("beta", "predictive", "window", "margin"):
+    for kind in ("sequential", "beta", "predictive", "window", "margin"):
         assert not should_stop(answers, 10, kind=kind)
 
 
@@ -109,7 +109,7 @@ def test_window_semantics():
 
 
 def test_none_answers():
-    for kind in ("decided", "beta", "predictive", "window", "margin"):
+    for kind in ("decided", "sequential", "beta", "predictive", "window", "margin"):
         assert not should_stop([None] * 5, 3, kind=kind)
         assert not should_stop([], 3, kind=kind)
     # Nones do not count as votes towards min_samples
@@ -119,7 +119,7 @@ def test_none_answers():
 
 
 def test_nothing_remaining_means_nothing_to_stop():
-    for kind in ("decided", "beta", "predictive", "window", "margin"):
+    for kind in ("decided", "sequential", "beta", "predictive", "window", "margin"):
         assert not should_stop(["5"] * 8, 0, kind=kind)
         assert not should_stop_ids([0] * 8, 0, StopRule(kind=kind))
 
@@ -153,7 +153,8 @@ def test_describe_and_default():
     assert StopRule(kind="window", window=5).describe() == "window(5)"
     assert StopRule(kind="beta", error=0.05, min_samples=3).describe() == "beta(error=0.05, min=3)"
     assert StopRule(kind="margin", margin=2, min_samples=2).describe() == "margin(margin=2, min=2)"
-    assert StopRule().kind == "predictive"  # chosen by `python -m evals stopping`
+    assert StopRule().kind == "sequential"  # chosen by leave-one-set-out in `python -m evals stopping`
+    assert StopRule(kind="sequential", error=0.05).describe() == "sequential(error=0.05, min=3)"
 
 
 # --- replay eval -----------------------------------------------------------
@@ -225,10 +226,205 @@ def test_shared_traces_end_to_end(tmp_path):
     out = tmp_path / "stopping.json"
     assert stopping_main(["--limit", "15", "--perms", "2", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert set(data["sets"]) == {"gsm8k_qwen3_4b_n8", "addsub_codex002_n40"}
-    assert "svamp_pot_codex002_n30" in data["skipped"]
+    assert set(data["sets"]) == {"gsm8k_qwen3_4b_n8", "addsub_codex002_n40", "svamp_pot_codex002_n30"}
+    assert not data["skipped"]  # svamp's programs are folded statically, never run
     for s in data["sets"].values():
         assert s["rules"]["decided"]["agreement"] == 1.0
         assert s["rules"]["decided"]["agreement_perm_worst"] == 1.0
     assert data["default"] in data["selection"]
+    assert [f["held_out"] for f in data["loso"]] == list(data["sets"])
     assert os.path.exists(tmp_path / "stopping.md")
+
+
+# --- the sequential rule: a guarantee over all looks ------------------------
+
+from consensus_spec.sampling.stopping import sequential_boundary  # noqa: E402
+from evals.stopping import program_answer  # noqa: E402
+from evals.stopping_cv import choose_default, loso, meets, pick  # noqa: E402
+from evals.stopping_cv import plot as tradeoff_plot  # noqa: E402
+
+
+def partitions(n, largest=None):
+    """Class sizes of a multiset of n answers, largest first."""
+    largest = n if largest is None else largest
+    if n == 0:
+        yield ()
+        return
+    for p in range(min(n, largest), 0, -1):
+        for rest in partitions(n - p, p):
+            yield (p,) + rest
+
+
+def wrong_stop_probability(counts, nones, rule, looks):
+    """Exact P(stopping early on an answer other than the strict full-N winner)
+    over uniformly random orders of the multiset (classes with ``counts``, plus
+    ``nones`` unanswerable paths); a full-N tie counts as wrong for any stop."""
+    n = sum(counts) + nones
+    top = [j for j, c in enumerate(counts) if c == max(counts)]
+    winner = top[0] if len(top) == 1 else None
+    wrong = 0.0
+    states = {((0,) * len(counts), 0, ()): 1.0}  # (seen per class, Nones seen, first-seen order)
+    for k in range(1, n):
+        nxt = {}
+        for (seen, none_seen, order), p in states.items():
+            left = n - k + 1
+            for j, c in enumerate(counts):
+                if seen[j] < c:
+                    key = (seen[:j] + (seen[j] + 1,) + seen[j + 1:], none_seen,
+                           order if j in order else order + (j,))
+                    nxt[key] = nxt.get(key, 0.0) + p * (c - seen[j]) / left
+            if none_seen < nones:
+                key = (seen, none_seen + 1, order)
+                nxt[key] = nxt.get(key, 0.0) + p * (nones - none_seen) / left
+        states = {}
+        for (seen, none_seen, order), p in nxt.items():
+            ranked = sorted(((j, seen[j]) for j in order), key=lambda kv: -kv[1])
+            if k in looks and ranked and should_stop_ids([None] * k, n - k, rule, ranked=ranked):
+                wrong += p * (ranked[0][0] != winner)
+            else:
+                states[(seen, none_seen, order)] = p
+    return wrong
+
+
+@pytest.mark.parametrize("error", [0.05, 0.2])
+def test_sequential_error_holds_for_every_multiset_and_look_schedule(error):
+    # the guarantee, checked exactly: every multiset of n <= 9 answers (up to 4
+    # classes, any number of Nones), looks after every path and after waves of 2
+    rule = StopRule(kind="sequential", error=error, min_samples=1)
+    worst = 0.0
+    for n in range(2, 10):
+        assert sequential_boundary(n, error)[1] <= error
+        for nones in range(n):
+            for counts in partitions(n - nones):
+                if len(counts) > 4:
+                    continue
+                for looks in (set(range(1, n)), set(range(2, n, 2))):
+                    p = wrong_stop_probability(counts, nones, rule, looks)
+                    assert p <= error + 1e-12, (counts, nones, sorted(looks), p)
+                    worst = max(worst, p)
+    assert worst > 0.5 * error  # and the rule does use its budget (not just "decided")
+
+
+def test_sequential_boundary_shape():
+    for n in (2, 8, 16, 40):
+        for error in (0.01, 0.05, 0.2):
+            h, bound = sequential_boundary(n, error)
+            assert len(h) == n + 1 and h[0] is None and h[n] is None
+            assert 0.0 <= bound <= error
+            for k, need in enumerate(h):
+                assert need is None or k / 2 < need <= k  # a majority of the paths seen
+    # the worst case is a 50/50 split: at n=8, 4 of 4 stops with error 0.05 (2 * 1/70 risk)
+    assert sequential_boundary(8, 0.05)[0][3:5] == (None, 4)
+    assert sequential_boundary(8, 0.05)[1] == pytest.approx(2 / 70)
+    assert sequential_boundary(8, 0.2)[0][3] == 3
+    assert sequential_boundary(8, 0.01)[0][4] is None  # 2/70 > 0.01: only "decided" stops
+    with pytest.raises(ValueError):
+        sequential_boundary(0, 0.05)
+    with pytest.raises(ValueError):
+        sequential_boundary(8, 1.0)
+
+
+def test_sequential_on_answers():
+    assert first_stop(["42"] * 8, 8, kind="sequential", error=0.05) == 4
+    assert first_stop(["42"] * 8, 8, kind="sequential", error=0.2) == 3
+    assert first_stop(["42"] * 8, 8, kind="sequential", error=0.01) == 5  # decided
+    assert first_stop(["7"] * 40, 40, kind="sequential", error=0.05) == 6
+    # a stray answer costs more paths; a split never stops before it is decided
+    assert first_stop(["7"] * 3 + ["8"] + ["7"] * 36, 40, kind="sequential", error=0.05) > 6
+    split = ["1", "2"] * 20
+    assert first_stop(split, 40, kind="sequential", error=0.2) == 40
+    # Nones are paths that vote for nothing: 3 votes of 4 paths is not 4 of 4
+    rule = StopRule(kind="sequential", error=0.05)
+    assert should_stop_ids([0, 0, 0, 0], 4, rule)
+    assert not should_stop_ids([0, 0, None, 0], 4, rule)
+    assert should_stop(["5", None, "5", "5", "5", "5"], 2, rule)  # 5 of 6 at n=8
+    assert not should_stop([None] * 6, 2, rule)
+
+
+def test_should_stop_input_errors_and_purity():
+    answers = ["1", "1", "1", "1"]
+    for bad in (-1, 1.5, 2.0, True, "3", None):
+        with pytest.raises(ValueError, match="remaining"):
+            should_stop(answers, bad)
+    np = pytest.importorskip("numpy")
+    assert should_stop(answers, np.int64(4), kind="sequential", error=0.05)
+    for bad in ("1111", 42, [1, 2], ["1", 2.0]):
+        with pytest.raises(TypeError, match="answers"):
+            should_stop(bad, 3)
+    with pytest.raises(TypeError, match="StopRule"):
+        should_stop(answers, 3, "sequential")
+    before = list(answers)
+    results = {should_stop(answers, 4, StopRule(kind="sequential", error=0.05)) for _ in range(3)}
+    assert results == {True} and answers == before
+    assert should_stop(("1", "1", "1", "1"), 4, kind="sequential", error=0.05)  # any sequence
+
+
+# --- program-of-thought answers: folded, never run --------------------------
+
+def test_program_answer_folds_straight_line_arithmetic():
+    assert program_answer("price = 76\ndiscount = 25\nans = price - discount") == "51"
+    assert program_answer("ans = 7 / 2") == "3.5"
+    assert program_answer("a = 0.1\nans = a + 0.2") == "0.3"  # decimal literals, exact
+    assert program_answer("x = 9\nans = -x // 2 % 7 + 2 ** 3") == "10"  # Python semantics
+    assert program_answer("ans = 1 / 3") == "0.3333333333"
+    for text in ("import os\nans = 1", "ans = len('ab')", "ans = __import__('os').getcwd()",
+                 "ans = (1).real", "ans = 2 ** 10 ** 9", "ans = 1 / 0", "ans = True",
+                 "ans = 3, 4", "x = 1", "ans = y + 1", "ans = 1 if 2 > 1 else 0",
+                 "while True:\n    pass", "ans = 5\nprint(ans)", "ans = ", "", None,
+                 "ans = " + "(" * 500 + "1" + ")" * 500, "ans = 10 ** 40"):
+        assert program_answer(text) is None, text
+
+
+# --- leave-one-set-out -------------------------------------------------------
+
+def fake_rule(kind, error, tokens, agree, worst, gold=None):
+    return {"rule": {"kind": kind, "error": error, "min_samples": 3},
+            "tokens_frac_perm_mean": tokens, "tokens_frac_perm_worst": tokens,
+            "agreement_perm_mean": agree, "agreement_perm_worst": worst, "agreement": agree,
+            "gold_acc_perm_mean": gold, "gold_acc_full": gold}
+
+
+def fake_sets():
+    def rules(seq_agree, pred_agree):
+        return {"decided": fake_rule("decided", 0.2, 0.7, 1.0, 1.0),
+                "seq_lo": fake_rule("sequential", 0.05, 0.45, 1.0, 1.0),
+                "seq_hi": fake_rule("sequential", 0.2, 0.35, seq_agree, 0.99),
+                "pred": fake_rule("predictive", 0.05, 0.3, pred_agree, 0.99)}
+    return {"a": {"rules": rules(0.999, 0.999), "hard_problems": 0},
+            "b": {"rules": rules(0.998, 0.97), "hard_problems": 0},
+            "c": {"rules": rules(0.99, 0.999), "hard_problems": 0}}
+
+
+def test_targets_and_picks():
+    sets = fake_sets()
+    assert meets(sets["a"]["rules"]["seq_hi"]) and not meets(sets["c"]["rules"]["seq_hi"])
+    # realized disagreement above the nominal error fails, whatever the agreement
+    assert not meets(fake_rule("sequential", 0.001, 0.3, 0.998, 0.99))
+    # gold accuracy more than 0.5 points below full-N fails
+    low_gold = dict(fake_rule("sequential", 0.2, 0.3, 1.0, 1.0), gold_acc_perm_mean=0.80,
+                    gold_acc_full=0.81)
+    assert not meets(low_gold)
+    assert pick(sets, ["a", "b"], ("decided", "sequential")) == "seq_hi"
+    assert pick(sets, ["a", "c"]) == "pred"  # any rule: cheapest passing on a and c
+    assert pick(sets, ["b", "c"], ("predictive",)) == "decided"  # nothing passes
+
+
+def test_loso_tunes_on_the_other_sets_and_reports_held_out():
+    sets = fake_sets()
+    folds = loso(sets, ("decided", "sequential"))
+    assert [f["held_out"] for f in folds] == ["a", "b", "c"]
+    assert [f["tuned_on"] for f in folds] == [["b", "c"], ["a", "c"], ["a", "b"]]
+    # held out a or b, c is a tuning set and rules seq_hi out; held out c, seq_hi is picked
+    assert [f["rule"] for f in folds] == ["seq_lo", "seq_lo", "seq_hi"]
+    assert [f["meets"] for f in folds] == [True, True, False]  # ... and misses on c
+    assert choose_default(sets, folds) == "seq_lo"  # folds disagree: the most cautious pick
+    assert loso({"only": sets["a"]}) == []
+
+
+def test_tradeoff_plot(tmp_path):
+    sets = {name: {"rules": {r: dict(v, rule=dict(v["rule"], kind=k)) for (r, v), k in zip(
+        s["rules"].items(), ("decided", "sequential", "sequential", "predictive"))}}
+        for name, s in fake_sets().items()}
+    path = tmp_path / "tradeoff.png"
+    made = tradeoff_plot(sets, "seq_hi", str(path))  # False (no plot) without matplotlib
+    assert made is (path.exists() and path.stat().st_size > 1000)

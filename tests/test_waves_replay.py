@@ -96,7 +96,7 @@ def test_command_on_shared_traces(tmp_path, capsys):
                               "--limit", "8", "--orders", "1", "--rows", "16", "--host-time", "none",
                               "--early-stop", "on", "decided", "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "all at once | none" in text and "waves 2, predictive" in text and "waves 2, decided" in text
+    assert "all at once | none" in text and "waves 2, sequential" in text and "waves 2, decided" in text
     assert (tmp_path / "w.json").exists() and (tmp_path / "w.md").exists()
     pytest.importorskip("matplotlib")
     assert (tmp_path / "w.png").exists()

@@ -114,9 +114,11 @@ def self_consistency(
     ``prompt_template``: None (problems are prompts), a string with a
     ``{problem}`` placeholder, or a callable problem -> prompt.
     ``early_stop``: None (all ``n`` paths), True (the default
-    :class:`StopRule`: stop once the predicted chance that the remaining
-    paths change the winner is <= 5%), ``"decided"`` (exact: only when they
-    cannot), another rule kind, or a :class:`StopRule`.
+    :class:`StopRule`: a sequential test whose chance of stopping on an
+    answer other than the full-N vote is <= 20% for any problem, over all
+    looks, when paths are exchangeable), ``"decided"`` (exact: only when the
+    remaining paths cannot change the winner), another rule kind, or a
+    :class:`StopRule`.
     ``schedule``: :class:`Schedule` (waves, capacity, check); default: waves
     of 4 with a stop rule, all at once without; capacity defaults to the
     engine's ``max_num_seqs``.

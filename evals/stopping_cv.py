@@ -1,0 +1,200 @@
+"""Choosing a stop rule across trace sets for ``python -m evals stopping``:
+targets, leave-one-set-out cross-validation, tables and the trade-off plot.
+
+Every figure here is over *random path orders* (``--perms`` seeded orders per
+problem): the stop rules assume exchangeable paths, and a recorded order may
+not be one (the svamp traces are stored with the samples that agree most
+first).  Recorded-order agreement is reported beside, never used to choose.
+
+Leave-one-set-out: for each held-out set, the setting is picked on the other
+sets alone -- the cheapest (mean token share over the tuning sets) whose
+agreement with the full-N vote is >= 99.5% in the mean over orders and
+>= 99% in the worst order, whose realized disagreement is <= its nominal
+error and whose gold accuracy is within 0.5 points of full-N, on every
+tuning set -- and reported on the held-out set.  It runs twice: over the
+rules whose error holds over the whole sequence of looks (``sequential`` and
+the exact ``decided``), which sets the default, and over every rule, for
+comparison.  When the folds disagree the default is the most cautious of
+their picks (smallest error).
+"""
+
+from __future__ import annotations
+
+import sys
+
+TARGET_AGREE, TARGET_WORST, TARGET_GOLD_GAP = 0.995, 0.99, 0.005
+GUARANTEED = ("decided", "sequential")  # kinds whose error holds over all looks
+
+
+def pct(x, digits=1) -> str:
+    return "-" if x is None else f"{100 * x:.{digits}f}"
+
+
+def nominal(r: dict) -> float | None:
+    """A rule's stated error (0 for ``decided``; None: no stated error)."""
+    kind = r["rule"]["kind"]
+    if kind == "decided":
+        return 0.0
+    return r["rule"]["error"] if kind in ("sequential", "predictive", "beta") else None
+
+
+def gold_full(r: dict) -> float | None:
+    """Full-N gold accuracy over the same random orders (a tie's winner depends on the order)."""
+    return r.get("gold_acc_full_perm_mean", r.get("gold_acc_full"))
+
+
+def gold_gap(r: dict) -> float | None:
+    if r.get("gold_acc_perm_mean") is None or gold_full(r) is None:
+        return None
+    return gold_full(r) - r["gold_acc_perm_mean"]
+
+
+def meets(r: dict) -> bool:
+    """The targets on one set (random orders)."""
+    nom, gap = nominal(r), gold_gap(r)
+    return (r["agreement_perm_mean"] >= TARGET_AGREE and r["agreement_perm_worst"] >= TARGET_WORST
+            and (nom is None or 1.0 - r["agreement_perm_mean"] <= nom + 1e-12)
+            and (gap is None or gap <= TARGET_GOLD_GAP + 1e-12))
+
+
+def pick(sets: dict[str, dict], names: list[str], kinds=None) -> str:
+    """Cheapest rule meeting the targets on every set of ``names`` (else ``decided``)."""
+    rules = sets[names[0]]["rules"]
+    ok = [r for r in rules if (kinds is None or rules[r]["rule"]["kind"] in kinds)
+          and all(meets(sets[s]["rules"][r]) for s in names)]
+    if not ok:
+        return "decided"
+    return min(ok, key=lambda r: (round(sum(sets[s]["rules"][r]["tokens_frac_perm_mean"]
+                                            for s in names) / len(names), 9),
+                                  rules[r]["rule"]["error"], -rules[r]["rule"]["min_samples"]))
+
+
+def loso(sets: dict[str, dict], kinds=None) -> list[dict]:
+    """Per held-out set: the rule picked on the other sets and its held-out figures."""
+    out = []
+    for held in sets:
+        tune = [s for s in sets if s != held]
+        if not tune:
+            continue
+        name = pick(sets, tune, kinds)
+        r = sets[held]["rules"][name]
+        out.append({"held_out": held, "tuned_on": tune, "rule": name, "meets": meets(r),
+                    "nominal": nominal(r), **{k: r.get(k) for k in (
+                        "tokens_frac_perm_mean", "agreement_perm_mean", "agreement_perm_worst",
+                        "agreement", "gold_acc_perm_mean", "gold_acc_full", "gold_acc_full_perm_mean")}})
+    return out
+
+
+def choose_default(sets: dict[str, dict], folds: list[dict]) -> str:
+    """The folds' common pick, else the most cautious of them (smallest error)."""
+    picks = {f["rule"] for f in folds} or {pick(sets, list(sets), GUARANTEED)}
+    rules = next(iter(sets.values()))["rules"]
+    if "decided" in picks:
+        return "decided"
+    return min(picks, key=lambda r: (rules[r]["rule"]["error"], -rules[r]["rule"]["min_samples"]))
+
+
+def summary(sets: dict[str, dict]) -> dict[str, dict]:
+    """Per rule over all sets: mean token share and whether every set meets the targets."""
+    names = next(iter(sets.values()))["rules"]
+    return {r: {"tokens_frac_mean": sum(s["rules"][r]["tokens_frac_perm_mean"] for s in sets.values())
+                / len(sets), "meets_all": all(meets(s["rules"][r]) for s in sets.values())}
+            for r in names}
+
+
+def gold(r: dict) -> str:
+    return "-" if gold_full(r) is None else f"{pct(r.get('gold_acc_perm_mean'), 2)} / {pct(gold_full(r), 2)}"
+
+
+def realized(r: dict) -> str:
+    nom = nominal(r)
+    return f"{pct(1 - r['agreement_perm_mean'], 2)} / {'-' if nom is None else pct(nom, 1)}"
+
+
+def set_tables(sets: dict[str, dict], default: str) -> str:
+    lines = ["| set | rule | tokens % (worst order) | agree % orders mean / worst / recorded | "
+             "disagree % realized / nominal | hard agree % (n) | gold % stopped / full-N | targets |",
+             "|---|---|---|---|---|---|---|---|"]
+    for set_name, s in sets.items():
+        for name, r in s["rules"].items():
+            mark = " **(default)**" if name == default else ""
+            lines.append(
+                f"| {set_name} | {name}{mark} | {pct(r['tokens_frac_perm_mean'])} "
+                f"({pct(r['tokens_frac_perm_worst'])}) | {pct(r['agreement_perm_mean'], 2)} / "
+                f"{pct(r['agreement_perm_worst'], 2)} / {pct(r['agreement'], 2)} | {realized(r)} | "
+                f"{pct(r.get('hard_agreement_perm_mean'))} ({s['hard_problems']}) | {gold(r)} | "
+                f"{'yes' if meets(r) else 'no'} |")
+    return "\n".join(lines)
+
+
+def loso_table(folds: list[dict], title: str) -> str:
+    lines = [f"**{title}**", "",
+             "| held-out set | picked on the other sets | tokens % | agree % orders mean | "
+             "worst of orders % | recorded order % | disagree % realized / nominal | "
+             "gold % stopped / full-N | targets |", "|---|---|---|---|---|---|---|---|---|"]
+    for f in folds:
+        nom = "-" if f["nominal"] is None else pct(f["nominal"], 1)
+        lines.append(f"| {f['held_out']} | {f['rule']} | {pct(f['tokens_frac_perm_mean'])} | "
+                     f"{pct(f['agreement_perm_mean'], 2)} | {pct(f['agreement_perm_worst'], 2)} | "
+                     f"{pct(f['agreement'], 2)} | {pct(1 - f['agreement_perm_mean'], 2)} / {nom} | "
+                     f"{gold(f)} | {'yes' if f['meets'] else 'no'} |")
+    if folds:
+        mean = sum(f["tokens_frac_perm_mean"] for f in folds) / len(folds)
+        lines += ["", f"Mean held-out token share: {pct(mean)}% of full-N."]
+    return "\n".join(lines)
+
+
+def markdown(sets: dict[str, dict], default: str, folds: list[dict], folds_any: list[dict]) -> str:
+    text = [set_tables(sets, default), ""]
+    if folds:
+        text += [loso_table(folds, "Leave-one-set-out, rules with a guarantee over all looks "
+                            "(sets the default)"), "",
+                 loso_table(folds_any, "Leave-one-set-out, any rule (for comparison)"), ""]
+    table = summary(sets)
+    text += ["| rule | mean tokens % over sets | every set meets the targets |", "|---|---|---|"]
+    for name, v in sorted(table.items(), key=lambda kv: kv[1]["tokens_frac_mean"]):
+        mark = " **(default)**" if name == default else ""
+        text.append(f"| {name}{mark} | {pct(v['tokens_frac_mean'])} | {'yes' if v['meets_all'] else 'no'} |")
+    return "\n".join(text)
+
+
+def plot(sets: dict[str, dict], default: str, path: str, looks: str = "waves of 2") -> bool:
+    """Token share against agreement, per set and rule family; the default starred."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return False
+    markers = {"sequential": "o", "predictive": "s", "beta": "^", "window": "v", "margin": "D",
+               "decided": "X"}
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for i, (set_name, s) in enumerate(sets.items()):
+        color = f"C{i}"
+        for kind, marker in markers.items():
+            pts = sorted((100 * r["tokens_frac_perm_mean"], 100 * r["agreement_perm_mean"])
+                         for r in s["rules"].values() if r["rule"]["kind"] == kind)
+            if pts:
+                ax.plot(*zip(*pts), marker=marker, color=color, alpha=0.8, markersize=5,
+                        linestyle={"sequential": "-", "predictive": ":"}.get(kind, "none"))
+        r = s["rules"][default]
+        ax.plot(100 * r["tokens_frac_perm_mean"], 100 * r["agreement_perm_mean"], marker="*",
+                color=color, markersize=18, markeredgecolor="black", linestyle="none")
+        ax.plot([], [], color=color, linewidth=6, label=set_name)
+    for kind, marker in markers.items():
+        ax.plot([], [], marker=marker, color="gray", linestyle="none", label=kind)
+    ax.plot([], [], marker="*", color="gray", markeredgecolor="black", markersize=14,
+            linestyle="none", label=f"default: {default}")
+    ax.axhline(100 * TARGET_AGREE, color="gray", linestyle=":", linewidth=1)
+    ax.set_xlabel("tokens, % of all N paths (mean over random orders)")
+    ax.set_ylabel("agreement with the full-N vote, % (mean over random orders)")
+    ax.text(0.01, 0.01, "below 98.5%: off the chart", transform=ax.transAxes, fontsize=7, color="gray")
+    ax.set_title(f"Adaptive stopping: tokens against agreement ({looks})")
+    ax.set_ylim(98.5, 100.05)  # the targets' range; looser heuristics fall off the chart
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
