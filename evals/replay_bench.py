@@ -315,8 +315,9 @@ class Bench:
 def load_tables(args, quiet: bool = False) -> tuple[StepCosts | None, HostTime | None]:
     """The step-cost table and the host-time table (None where not given)."""
     costs = StepCosts.load(args.costs) if args.costs and os.path.exists(args.costs) else None
-    if costs is not None and args.costs_slope_scale != 1.0:
-        costs = costs.with_slope_scale(args.costs_slope_scale)
+    scale = getattr(args, "costs_slope_scale", 1.0)  # waves and dp-replay share this
+    if costs is not None and scale != 1.0:
+        costs = costs.with_slope_scale(scale)
     host = None
     if args.host_time and args.host_time != "none":
         if os.path.exists(args.host_time):
