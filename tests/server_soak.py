@@ -408,7 +408,9 @@ class RssCheckpoints:
                     "second_half_growth_mb": round(end - middle, 1),
                     "first_quarter_growth_mb": round(values[q1] - start, 1),
                     "last_quarter_growth_mb": round(end - values[q3], 1),
-                    "last_quarter_growth_pct": round(100 * (end - values[q3]) / values[q3], 2)}
+                    # a process that came or went in between has no percentage
+                    "last_quarter_growth_pct": round(100 * (end - values[q3]) / values[q3], 2)
+                    if values[q3] > 0 and end > 0 else None}
 
         per_process = {self.labels.get(p, str(p)): points([x[2].get(p, 0.0) for x in s])
                        for p in sorted({p for x in s for p in x[2]})}
