@@ -24,6 +24,11 @@ Methods:
 - ``consensus``: this project's proposer (``custom_class``); vLLM 0.32 passes
   custom proposers no scheduled k, so no schedule applies.
 - ``consensus-nobudget``: the same with ``cost_model=off`` (the drafter alone).
+- ``device-lag0``, ``device-lag1``, ``device-lag2``: the device-side route
+  (:mod:`evals.device_route`): consensus tries fed sibling tokens 0, 1 or 2
+  steps late, drafts gathered from a table of K-token continuations by each
+  row's current tokens, K fixed per step. vLLM's Model Runner V2 passes its
+  speculators the scheduled k, so a schedule applies.
 """
 
 from __future__ import annotations
@@ -32,9 +37,10 @@ from types import SimpleNamespace
 
 import numpy as np
 
-METHODS = ("none", "ngram", "suffix", "suffix-budget", "consensus-nobudget", "consensus")
+DEVICE_METHODS = ("device-lag0", "device-lag1", "device-lag2")  # not run by default
+METHODS = ("none", "ngram", "suffix", "suffix-budget", "consensus-nobudget", "consensus") + DEVICE_METHODS
 BASELINES = ("ngram", "suffix", "suffix-budget")  # what consensus is compared against
-SCHEDULABLE = ("ngram", "suffix")  # vLLM passes these the scheduled k
+SCHEDULABLE = ("ngram", "suffix") + DEVICE_METHODS  # vLLM passes these the scheduled k
 SUFFIX_DEFAULTS = dict(suffix_decoding_max_tree_depth=24, suffix_decoding_max_cached_requests=10000,
                        suffix_decoding_max_spec_factor=1.0, suffix_decoding_min_token_prob=0.1)
 
@@ -185,6 +191,12 @@ def make_drafter(method: str, k: int, max_model_len: int, max_num_seqs: int,
         return suffix
     if method == "suffix-budget":
         return BudgetedSuffix(cfg, k)
+    if method in DEVICE_METHODS:
+        from consensus_spec.vllm.options import parse_options
+
+        from .device_route import DeviceRouteDrafter
+        drafter_options, _ = parse_options(consensus_options)
+        return DeviceRouteDrafter(int(method.removeprefix("device-lag")), k_at, drafter_options)
     from consensus_spec import ConsensusProposer
     options = dict(consensus_options or {})
     if method == "consensus-nobudget":

@@ -36,7 +36,8 @@ import time
 from tqdm import tqdm
 
 from .cli import parse_options
-from .drafters import METHODS, SCHEDULABLE, make_drafter
+from .device_route import device_us_per_row
+from .drafters import DEVICE_METHODS, METHODS, SCHEDULABLE, make_drafter
 from .projection import HostTime, StepCosts, break_even_host_ms
 from .replay import VirtualClock, replay
 from .replay_report import markdown, sweep_markdown, targets
@@ -51,7 +52,8 @@ DEFAULT_HOST_TIME = "results/host_time.jsonl"
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m evals replay", description=__doc__.split("\n\n")[0])
     ap.add_argument("--traces", nargs="+", help="trace files (default: the shared traces)")
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--methods", nargs="+", default=[m for m in METHODS if m not in DEVICE_METHODS],
+                    choices=METHODS, help="default: all but the device-route emulations (device-lag*)")
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens (the most any step drafts)")
     ap.add_argument("--scouts", type=int, nargs="+", default=[0], help="scout counts to run")
     ap.add_argument("--batches", type=int, nargs="+", default=list(PROJECTED_BATCHES),
@@ -235,6 +237,8 @@ class Bench:
     def project(self, row: dict) -> dict:
         b, tau, d = row["batch"], row["tau"], row["drafts_per_step"]
         c = row["cpu_us_per_row"] * self.args.drafter_time_scale
+        if row["method"] in DEVICE_METHODS:  # drafts on the device; host work off the critical path
+            c = device_us_per_row(b)
         if self.costs is None or b not in self.costs.batch_sizes:
             return row
         none = row["method"] == "none"
@@ -283,6 +287,8 @@ class Bench:
               f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         row = {"traces": name, "problems": len(problems), "batch": batch, **stats.summary(),
                "cpu_us_per_row": drafter.us_per_row, "cpu_median_us_per_row": drafter.median_us_per_row}
+        if hasattr(inner, "route_stats"):
+            row.update(inner.route_stats())
         if learning is not None:
             row["learning"] = learning.summary()
             row["cost_counters"] = {key: value for key, value in inner.proposer.counters().items()

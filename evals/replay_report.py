@@ -13,6 +13,7 @@ LABELS = {
     "suffix-budget": "suffix + this budget",
     "consensus-nobudget": "consensus, budget off",
     "consensus": "consensus",
+    **{f"device-lag{lag}": f"device route, lag {lag}" for lag in (0, 1, 2)},
 }
 
 
