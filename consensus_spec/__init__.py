@@ -17,7 +17,6 @@ from .sampling.routing import data_parallel_rank, rank_headers, shard
 from .sampling.self_consistency import self_consistency
 from .sampling.stopping import StopRule, should_stop
 from .sampling.waves import Schedule
-from .vllm.configured import speculative_config
 from .vllm.options import ProposerOptions, consensus, engine_args
 from .vllm.proposer import ConsensusProposer
 from .voting.answers import answers_equal, extract_answer, normalize_answer
@@ -30,5 +29,11 @@ __all__ = [
     "SpecDecodeStats", "StopRule", "VoteResult", "answers_equal", "best_of_n", "consensus",
     "data_parallel_rank", "engine_args", "extract_answer", "logprob_weights", "majority_vote",
     "normalize_answer", "rank_headers", "self_consistency", "shard", "should_stop",
-    "speculative_config",
 ]
+
+
+def __getattr__(name: str):
+    if name == "speculative_config":  # 0.1's class-name option channel
+        from .vllm.configured import REMOVED
+        raise AttributeError(f"consensus_spec.speculative_config was removed: {REMOVED}")
+    raise AttributeError(f"module 'consensus_spec' has no attribute {name!r}")

@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--capacity", type=int,
                     help="paths in flight (default: the engine's max_num_seqs)")
     ap.add_argument("--scouts", type=int, nargs="+",
-                    help="deprecated: --scouts S is --waves S,rest (0: all)")
+                    help=argparse.SUPPRESS)  # removed: an error that says what to write
     ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                     help="consensus drafter option, e.g. min_prob=0.3 (repeatable)")
     ap.add_argument("--ngram-lookup", type=int, nargs=2, metavar=("MIN", "MAX"),
@@ -120,13 +120,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.k < 1:
         raise UsageError("--k must be >= 1")
     if args.scouts is not None:
-        if args.waves is not None:
-            raise UsageError("--scouts is --waves S,rest: give one of them")
-        if any(s < 0 for s in args.scouts):
-            raise UsageError("--scouts must be >= 0")
-        if max(args.scouts) > min(args.n):
-            raise UsageError(f"--scouts {max(args.scouts)} exceeds --n {min(args.n)}")
-        args.waves = [f"{s},rest" if s else "all" for s in args.scouts]
+        raise UsageError("--scouts was removed: --scouts S is --waves S,rest (0: --waves all)")
     if args.capacity is not None and args.capacity < 1:
         raise UsageError("--capacity must be >= 1")
     if args.temperature < 0:
@@ -151,9 +145,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     except ValueError as e:
         raise UsageError(str(e))
     if "consensus" in args.methods:
-        from consensus_spec import speculative_config
+        from consensus_spec import engine_args
         try:
-            speculative_config(args.k, **args.drafter_options)
+            engine_args(args.k, **args.drafter_options)
         except (TypeError, ValueError) as e:
             raise UsageError(f"bad --option: {e}")
     return args
@@ -182,11 +176,13 @@ def resolve_model(model: str | None) -> str:
 
 
 def spec_config(method: str, args) -> dict | None:
+    """vLLM's speculative_config for ``method`` (consensus options travel in
+    ``additional_config``: :func:`engine_kwargs`)."""
     if method == "none":
         return None
     if method == "consensus":
-        from consensus_spec import speculative_config
-        return speculative_config(args.k, **args.drafter_options)
+        from consensus_spec import engine_args
+        return engine_args(args.k, **args.drafter_options)["speculative_config"]
     config = {"method": method, "num_speculative_tokens": args.k}
     if method == "ngram" and args.ngram_lookup:
         config["prompt_lookup_min"], config["prompt_lookup_max"] = args.ngram_lookup
@@ -218,10 +214,19 @@ def on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
+def engine_options(method: str, args) -> dict:
+    """vLLM's additional_config: consensus's options, where they travel."""
+    if method != "consensus":
+        return {}
+    from consensus_spec import engine_args
+    return engine_args(args.k, **args.drafter_options)["additional_config"]
+
+
 def build_llm(method: str, args):
     from vllm import LLM
 
     kwargs = dict(model=args.model, speculative_config=spec_config(method, args), seed=args.seed,
+                  additional_config=engine_options(method, args),
                   dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
                   enforce_eager=on_cpu() if args.enforce_eager is None else args.enforce_eager,
                   disable_log_stats=False)
@@ -281,12 +286,39 @@ def run_configs(method: str, configs: list[tuple], args, problems, max_tokens: i
             # with the engine in this process, CPU time is a load-robust companion to wall time
             row["cpu_time_s"] = time.process_time() - cpu0 if in_process_engine() else None
             row["prompt_example"] = prompts[0]
+            if method == "consensus":
+                row["proposer"] = proposer_counters(llm)
+                counters = row["proposer"] or {}
+                for learned in counters.get("step_costs_by_rows", []):
+                    print(f"{desc}: step costs learned at {learned['batch']} rows "
+                          f"({learned['observed_in_bucket']} steps weighted): "
+                          f"{learned['ms_per_step']} ms per step with 0/1/2 draft tokens per row, "
+                          f"prior {learned['prior_ms_per_step']}", file=sys.stderr, flush=True)
+                if "steps_timed" in counters:
+                    print(f"{desc}: {counters['steps_timed']} steps timed, "
+                          f"{counters['steps_unattributed']} not attributable, "
+                          f"{counters['explore_pct']}% exploring", file=sys.stderr, flush=True)
             rows.append(row)
     finally:
         shutdown(llm)
         del llm
         gc.collect()
     return rows
+
+
+def drafter_counters(worker) -> dict | None:
+    """Run in the engine's worker (``LLM.collective_rpc``): the consensus
+    proposer's counters, what its budget learned included."""
+    drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
+    counters = getattr(drafter, "counters", None)
+    return counters() if counters is not None else None
+
+
+def proposer_counters(llm) -> dict | None:
+    try:
+        return next((c for c in llm.collective_rpc(drafter_counters, timeout=60) if c), None)
+    except Exception as e:  # noqa: BLE001 - a report, not the run: say why it is missing
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
 
 
 def in_process_engine() -> bool:

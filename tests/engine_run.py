@@ -77,9 +77,9 @@ def main(argv=None) -> int:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # proposer reachable in-process
     from vllm import LLM, SamplingParams
 
-    from consensus_spec import speculative_config
+    from consensus_spec import engine_args
 
-    spec = {"consensus": speculative_config(num_speculative_tokens=8),
+    spec = {"consensus": engine_args(num_speculative_tokens=8)["speculative_config"],
             "ngram": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4,
                       "prompt_lookup_min": 2}}.get(method)
     extra = {}

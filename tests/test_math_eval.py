@@ -5,16 +5,14 @@ random Llama (slow)."""
 from __future__ import annotations
 
 import json
-import os
 from types import SimpleNamespace
 
+import math_verify  # noqa: F401 - declared dependency: answers are graded with it
 import pytest
-
-pytest.importorskip("math_verify")
 
 from evals import math_eval  # noqa: E402
 from evals.datasets import (  # noqa: E402
-    SHARED_MATH,
+    HUB,
     DatasetError,
     MathProblem,
     gold_answer,
@@ -69,8 +67,7 @@ def run_main(argv, capsys):
     (["--n", "two"], "invalid int value"),
     (["--limit", "0"], "--limit must be >= 1"),
     (["--k", "0"], "--k must be >= 1"),
-    (["--n", "2", "--scouts", "3"], "--scouts 3 exceeds --n 2"),
-    (["--scouts", "-1"], "--scouts must be >= 0"),
+    (["--scouts", "1"], "--scouts was removed: --scouts S is --waves S,rest"),
     (["--early-stop", "soon"], "--early-stop expects"),
     (["--early-stop", "predictive:2"], "StopRule.error"),
     (["--early-stop", "window:1"], "StopRule.window"),
@@ -79,7 +76,6 @@ def run_main(argv, capsys):
     (["--waves", "0,rest"], "--waves expects"),
     (["--waves", "rest,4"], "--waves expects"),
     (["--waves", "four"], "--waves expects"),
-    (["--waves", "2,rest", "--scouts", "1"], "give one of them"),
     (["--waves", "all", "--early-stop"], "no configuration left"),
     (["--capacity", "0"], "--capacity must be >= 1"),
     (["--check", "step"], "invalid choice"),
@@ -123,11 +119,11 @@ def test_help_and_command_registered(capsys):
 def test_parse_args_normalises_lists(small_jsonl):
     args = math_eval.parse_args(["--dataset", small_jsonl, "--n", "16", "4", "4",
                                  "--methods", "consensus", "none", "consensus",
-                                 "--early-stop", "--scouts", "0", "1"])
+                                 "--early-stop", "--waves", "all", "1,rest"])
     assert args.n == [4, 16]
     assert args.methods == ["consensus", "none"]
     assert args.early_stop == [StopRule()]
-    assert [s.waves for s in args.waves] == [("rest",), (1, "rest")]  # --scouts S is --waves S,rest
+    assert [s.waves for s in args.waves] == [("rest",), (1, "rest")]
     assert math_eval.parse_args([]).early_stop == [None]
     assert math_eval.parse_early_stop(["off", "decided", "2", "on", "predictive:0.1", "window:5",
                                        "margin:4", "beta"]) == [
@@ -163,8 +159,10 @@ def test_spec_configs(small_jsonl):
         "method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     assert math_eval.spec_config("suffix", args) == {"method": "suffix", "num_speculative_tokens": 5}
     cfg = math_eval.spec_config("consensus", args)
-    assert cfg["method"] == "custom_class" and cfg["num_speculative_tokens"] == 5
-    assert "min_prob" in cfg["model"]
+    assert cfg == {"method": "custom_class", "model": "consensus_spec.ConsensusProposer",
+                   "num_speculative_tokens": 5}
+    assert math_eval.engine_options("consensus", args) == {"consensus_spec": {"min_prob": 0.3}}
+    assert math_eval.engine_options("ngram", args) == {}
 
 
 # ---------------------------------------------------------------------------
@@ -215,7 +213,7 @@ def test_load_other_fields_and_formats(tmp_path):
 
 
 def test_load_parquet(tmp_path):
-    pa = pytest.importorskip("pyarrow")
+    import pyarrow as pa
     import pyarrow.parquet as pq
     path = str(tmp_path / "set.parquet")
     pq.write_table(pa.table({"problem": ["1+1", "2+3"], "answer": ["2", "5"]}), path)
@@ -242,14 +240,36 @@ def test_synthetic_set():
     assert all(p.kind == "synthetic" for p in probs)
 
 
-@pytest.mark.skipif(not os.path.isdir(SHARED_MATH), reason="../shared/data/math not present")
+# Rows in the layouts of ../shared/data/math/ (see its README), made up here: the named
+# sets are read from that folder, which a clone may lack, so the test points it at these.
+SHARED_LAYOUTS = {
+    "gsm8k": [{"question": f"Ann has {i} pens and buys {i + 2} more. How many pens does she have?",
+               "answer": f"She has {i} + {i + 2} = {2 * i + 2} pens.\n#### {2 * i + 2:,}"}
+              for i in (1, 4, 7, 600, 9)],
+    "math500": [{"problem": f"Compute $\\frac{{{i}}}{{3}}$.", "solution": f"It is $\\boxed{{\\frac{{{i}}}{{3}}}}$.",
+                 "answer": f"\\frac{{{i}}}{{3}}", "subject": "Algebra", "level": 1,
+                 "unique_id": f"test/algebra/{i}.json"} for i in range(1, 6)],
+    "aime2024": [{"id": 60 + i, "problem": f"Find the remainder when $7^{i}$ is divided by 1000.",
+                  "solution": f"... so the answer is $\\boxed{{{7 ** i % 1000}}}$.",
+                  "answer": str(7 ** i % 1000)} for i in range(1, 6)],
+}
+
+
 @pytest.mark.parametrize("name", ["gsm8k", "math500", "aime2024"])
-def test_shared_sets(name):
+def test_shared_sets(name, tmp_path, monkeypatch):
+    import evals.datasets
+
+    write_jsonl(tmp_path / HUB[name][0], SHARED_LAYOUTS[name] * 2)
+    monkeypatch.setattr(evals.datasets, "SHARED_MATH", str(tmp_path))
     probs = load_problems(name, limit=5)
     assert len(probs) == 5 and all(p.question and p.gold for p in probs)
     if name == "gsm8k":
         assert all(p.gold.lstrip("-").replace(".", "").isdigit() for p in probs)
-        assert "####" not in probs[0].gold
+        assert "####" not in probs[0].gold and probs[3].gold == "1202"  # thousands comma dropped
+    if name == "math500":
+        assert probs[0].gold == "\\frac{1}{3}" and probs[0].id == "test/algebra/1.json"
+    if name == "aime2024":
+        assert [p.gold for p in probs] == ["7", "49", "343", "401", "807"] and probs[0].id == "61"
 
 
 # ---------------------------------------------------------------------------
@@ -355,7 +375,6 @@ def test_comparisons_table_and_plots(tmp_path):
         for r in ("decided", "predictive(error=0.2, min=3)")}
     md = math_report.tradeoff_markdown(points)
     assert md.count("\n") == len(points) + 1
-    pytest.importorskip("matplotlib")
     assert math_report.plot(rows, str(tmp_path / "p.png"))
     assert math_report.plot_tradeoff(rows, points, str(tmp_path / "t.png"))
     assert (tmp_path / "p.png").stat().st_size > 1000 and (tmp_path / "t.png").stat().st_size > 1000
@@ -387,7 +406,6 @@ def test_replay_measures_stopping_error_on_plain_samples():
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_cli_end_to_end_on_tiny_llama(tmp_path, small_jsonl, capsys, monkeypatch):
-    pytest.importorskip("vllm")
     from tests.tiny_model import build_tiny_llama
 
     # engines in this process, as the CLI runs them on CPU: two in a row, after

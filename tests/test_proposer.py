@@ -4,9 +4,10 @@ preempted and resumed, chunked prefills and steps with no propose call."""
 import numpy as np
 import pytest
 
-from consensus_spec import ConsensusProposer, consensus, engine_args, speculative_config
+import consensus_spec
+from consensus_spec import ConsensusProposer, consensus, engine_args
 from consensus_spec.vllm import configured
-from evals.drafters import stand_in_config
+from tests.stand_in import stand_in_config
 
 PROMPT = [50, 51, 52, 53, 54]
 
@@ -111,18 +112,22 @@ def test_drafts_respect_k_and_max_model_len():
     assert drafts[0] == []
 
 
-def test_config_carries_options_to_the_engine_process():
+def test_consensus_is_the_one_line_config_and_options_go_in_additional_config():
     assert consensus == {"method": "custom_class", "model": "consensus_spec.ConsensusProposer",
                          "num_speculative_tokens": 8}
-    assert speculative_config() == consensus
-    spec = speculative_config(num_speculative_tokens=5, min_prob=0.25, max_depth=10)
-    assert spec["num_speculative_tokens"] == 5
-    module, name = spec["model"].rsplit(".", 1)
-    assert module == "consensus_spec.vllm.configured"
-    assert all(part.isidentifier() for part in spec["model"].split("."))
-    cls = getattr(configured, name)
-    proposer = cls(stand_in_config(k=5, max_model_len=100, max_num_seqs=4))
+    args = engine_args(5, min_prob=0.25, max_depth=10)
+    assert args["speculative_config"] == {**consensus, "num_speculative_tokens": 5}
+    cfg = stand_in_config(k=5, max_model_len=100, max_num_seqs=4)
+    cfg.additional_config = args["additional_config"]
+    proposer = ConsensusProposer(cfg)
     assert proposer.drafter.options.min_prob == 0.25 and proposer.drafter.options.max_depth == 10
+
+
+def test_the_old_class_name_channel_says_what_to_write_instead():
+    with pytest.raises(AttributeError, match="engine_args"):
+        consensus_spec.speculative_config  # noqa: B018 - 0.1's API
+    with pytest.raises(AttributeError, match="additional-config"):
+        getattr(configured, "min_prob_0p4__max_depth_12")  # what vLLM imports for an old config
 
 
 def test_engine_args_carry_options_in_additional_config(tmp_path):
@@ -142,21 +147,15 @@ def test_engine_args_carry_options_in_additional_config(tmp_path):
 
 def test_bad_options_fail_before_reaching_vllm():
     with pytest.raises(ValueError, match="unknown consensus_spec option"):
-        speculative_config(min_porb=0.3)
-    with pytest.raises(ValueError, match="unknown consensus_spec option"):
         engine_args(min_porb=0.3)
     with pytest.raises(TypeError, match="max_depth=8.0: expected int"):
-        speculative_config(max_depth=8.0)  # used to crash the engine process on int("8p0")
+        engine_args(max_depth=8.0)
     with pytest.raises(TypeError, match="expected int"):
         engine_args(max_depth="8")
     with pytest.raises(TypeError, match="expected bool"):
         engine_args(warmup=1)
     with pytest.raises(ValueError):
-        speculative_config(num_speculative_tokens=0)
-    with pytest.raises(AttributeError):
-        getattr(configured, "nonsense_1")
-    with pytest.raises(AttributeError, match="bad int value"):
-        getattr(configured, "max_depth_8p0")
+        engine_args(num_speculative_tokens=0)
 
 
 def test_bad_additional_config_is_a_clear_error_at_engine_start():
@@ -169,9 +168,3 @@ def test_bad_additional_config_is_a_clear_error_at_engine_start():
         ConsensusProposer(cfg)
 
 
-def test_options_that_cannot_travel_in_a_class_name_point_to_engine_args(tmp_path):
-    table = tmp_path / "costs.jsonl"
-    table.write_text("".join(f'{{"B": {b}, "q": {q}, "ms": {1 + b * q / 100}}}\n'
-                             for b in (8, 64) for q in (1, 3, 5)))
-    with pytest.raises(ValueError, match="engine_args"):
-        speculative_config(8, cost_model=str(table))

@@ -1,5 +1,5 @@
 """Self-consistency driver logic against a fake engine (no vLLM needed),
-plus one real vLLM run on a tiny random model (skipped without vLLM)."""
+plus one real vLLM run on a tiny random model."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ import math
 import os
 from types import SimpleNamespace
 
+import math_verify  # noqa: F401 - declared dependency: a missing one fails, never skips
 import pytest
-
-pytest.importorskip("math_verify")
 
 from consensus_spec.sampling.engine_loop import resolve_stop_rule  # noqa: E402
 from consensus_spec.sampling.engine_loop import should_stop as old_should_stop  # noqa: E402
@@ -18,11 +17,12 @@ from consensus_spec.sampling.self_consistency import (  # noqa: E402
     SpecDecodeStats,
     StopRule,
     Voting,
-    _from_legacy,
+    _removed_keywords,
     _render_prompt,
     _tokens_saved,
     read_spec_counters,
     run_paths,
+    self_consistency,
     spec_stats_delta,
 )
 from consensus_spec.voting.vote import majority_vote  # noqa: E402
@@ -421,22 +421,15 @@ def test_schedule_must_be_a_schedule():
         run_paths(FakeEngine(lambda p, q: ["x"]), ["q"], params_factory(), n=2, schedule=(2, "rest"))
 
 
-def test_legacy_keywords_map_onto_configs():
-    with pytest.warns(DeprecationWarning):
-        schedule, voting = _from_legacy(8, None, None, dict(scouts=2, capacity=5, weighted=True))
-    assert schedule == Schedule(waves=(2, "rest"), capacity=5) and voting == Voting(weighted=True)
-    with pytest.warns(DeprecationWarning):
-        assert _from_legacy(8, None, None, dict(scouts=0))[0] == Schedule(waves=("rest",))
-    with pytest.warns(DeprecationWarning):
-        assert _from_legacy(8, None, None, dict(scouts=8))[0].all_at_once
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="not both"):
-        _from_legacy(8, Schedule(), None, dict(scouts=2))
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="not both"):
-        _from_legacy(8, None, Voting(), dict(weighted=True))
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="scouts"):
-        _from_legacy(8, None, None, dict(scouts=9))
-    with pytest.raises(TypeError, match="bogus"):
-        _from_legacy(8, None, None, dict(bogus=1))
+def test_removed_keywords_say_what_to_write_instead():
+    with pytest.raises(TypeError, match=r"scouts= -> schedule=Schedule\(waves=\(S, 'rest'\)\)"):
+        _removed_keywords(dict(scouts=2))
+    with pytest.raises(TypeError, match=r"weighted= -> voting=Voting\(weighted=...\)"):
+        _removed_keywords(dict(weighted=True, capacity=4))
+    with pytest.raises(TypeError, match="unexpected keyword argument.*bogus"):
+        _removed_keywords(dict(bogus=1))
+    with pytest.raises(TypeError, match="scouts"):  # through the public function, before any engine
+        self_consistency(object(), ["q"], n=2, scouts=1)
 
 
 # ---------------------------------------------------------------------------
@@ -491,7 +484,6 @@ def test_spec_counters_unavailable_is_none():
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_self_consistency_on_vllm(tmp_path_factory):
-    pytest.importorskip("vllm")
     if os.environ.get("CONSENSUS_SKIP_VLLM"):
         pytest.skip("CONSENSUS_SKIP_VLLM set")
     from vllm import LLM

@@ -360,3 +360,9 @@ class OnlineStepCosts:
                 "drafter_ms": round(float(s[DRAFTER] * self._prior_at(batch, 0)[0]), 3),
                 "observed_in_bucket": round(float(s[COUNT]), 1),
                 "relative_sd": round(float(self.uncertainty(batch)[0]), 3)}
+
+    def learned(self) -> list[dict]:
+        """:meth:`summary` at each power-of-two batch size whose bucket has
+        timed steps."""
+        return [self.summary(b) for b in (1 << i for i in range(13))
+                if self._state[bucket_of(b), COUNT] > 0]

@@ -20,7 +20,6 @@ stats are reported as None.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any, Callable, Sequence
 
 from .results import ProblemResult, Sample, SelfConsistencyRun, SpecDecodeStats  # noqa: F401
@@ -63,31 +62,18 @@ def _render_prompt(problem: Any, prompt_template) -> Any:
     return prompt_template.replace("{problem}", str(problem))
 
 
-def _from_legacy(n: int, schedule: Schedule | None, voting: Voting | None,
-                 legacy: dict[str, Any]) -> tuple[Schedule | None, Voting | None]:
-    """Map the pre-config keywords (``scouts``, ``capacity``, ``weighted``,
-    ``weight_method``, ``timeout_s``, ``extract``) onto the configs."""
-    unknown = set(legacy) - {"scouts", "capacity", *_LEGACY_VOTING}
-    if unknown:
-        raise TypeError(f"self_consistency() got unexpected keyword argument(s): "
-                        f"{', '.join(sorted(unknown))}")
-    warnings.warn(f"self_consistency({', '.join(sorted(legacy))}=...) is deprecated: pass "
-                  "schedule=Schedule(...) / voting=Voting(...)", DeprecationWarning, stacklevel=3)
-    if "scouts" in legacy or "capacity" in legacy:
-        if schedule is not None:
-            raise ValueError("pass scouts/capacity inside schedule=Schedule(...), not both")
-        scouts = legacy.get("scouts", 0)
-        if isinstance(scouts, bool) or not isinstance(scouts, int) or not 0 <= scouts <= n:
-            raise ValueError(f"scouts must be an int in [0, n], got {scouts!r}")
-        waves = (scouts, REST) if 0 < scouts < n else (REST,)
-        schedule = Schedule(waves=waves, capacity=legacy.get("capacity"))
-    given = {k: legacy[k] for k in _LEGACY_VOTING if k in legacy}
-    if given:
-        if voting is not None:
-            raise ValueError("pass weighted/weight_method/timeout_s/extract inside "
-                             "voting=Voting(...), not both")
-        voting = Voting(**given)
-    return schedule, voting
+_REMOVED = {"scouts": "schedule=Schedule(waves=(S, 'rest'))",
+            "capacity": "schedule=Schedule(capacity=...)",
+            **{k: f"voting=Voting({k}=...)" for k in _LEGACY_VOTING}}
+
+
+def _removed_keywords(legacy: dict[str, Any]) -> None:
+    """Keywords of 0.1's first API are gone: say what to write instead."""
+    hints = [f"{k}= -> {_REMOVED[k]}" for k in sorted(legacy) if k in _REMOVED]
+    unknown = sorted(set(legacy) - set(_REMOVED))
+    if hints:
+        raise TypeError("self_consistency() no longer takes " + "; ".join(hints))
+    raise TypeError(f"self_consistency() got unexpected keyword argument(s): {', '.join(unknown)}")
 
 
 def self_consistency(
@@ -120,7 +106,7 @@ def self_consistency(
     remaining paths cannot change the winner), another rule kind, or a
     :class:`StopRule`.
     ``schedule``: :class:`Schedule` (waves, capacity, check); default: waves
-    of 4 with a stop rule, all at once without; capacity defaults to the
+    of 2 with a stop rule, all at once without; capacity defaults to the
     engine's ``max_num_seqs``.
     ``voting``: :class:`Voting` (answer extraction, logprob weights).
     ``logprobs``: request the sampled tokens' logprobs; None (default): only
@@ -132,15 +118,15 @@ def self_consistency(
     ``on_problem_done(index)`` is called once per problem when its vote is
     final, e.g. to advance a progress bar.
 
-    Deprecated keywords, still accepted: ``scouts=S`` (= ``Schedule(waves=(S,
-    "rest"))``), ``capacity``, ``weighted``, ``weight_method``, ``timeout_s``,
-    ``extract`` (fields of :class:`Schedule` / :class:`Voting`).
+    The first API's keywords (``scouts``, ``capacity``, ``weighted``,
+    ``weight_method``, ``timeout_s``, ``extract``) are errors that name the
+    :class:`Schedule` / :class:`Voting` field to use instead.
     """
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     if legacy:
-        schedule, voting = _from_legacy(n, schedule, voting, legacy)
+        _removed_keywords(legacy)
     voting = voting or Voting()
     stop_rule = resolve_stop_rule(early_stop)
     schedule = resolve_schedule(schedule, stop_rule)

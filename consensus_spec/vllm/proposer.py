@@ -40,7 +40,6 @@ LOG_EVERY_S = 300.0  # clock seconds between INFO lines on what the budget learn
 
 
 class ConsensusProposer:
-    options: dict = {}  # set by the classes consensus_spec.vllm.configured makes
 
     def __init__(self, vllm_config, **options):
         spec = vllm_config.speculative_config
@@ -48,7 +47,7 @@ class ConsensusProposer:
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         sched = getattr(vllm_config, "scheduler_config", None)
         self._max_num_seqs = int(getattr(sched, "max_num_seqs", 0) or 256)
-        merged = {**self.options, **options_from_vllm(vllm_config), **options}
+        merged = {**options_from_vllm(vllm_config), **options}
         self.drafter_options, self.proposer_options = parse_options(merged)
         name = self.proposer_options.cost_model
         if name == AUTO:
@@ -252,7 +251,8 @@ class ConsensusProposer:
         return {"cost_model": self._cost_model_name, "online_costs": True,
                 "steps_timed": self.steps_timed, "steps_unattributed": self.steps_unattributed,
                 "steps_outliers": costs.steps_rejected, "explore_pct": round(self._explore_pct(), 2),
-                "step_costs": costs.summary(self._last_rows)}
+                "step_costs": costs.summary(self._last_rows),
+                "step_costs_by_rows": costs.learned()}
 
     def load_model(self, *args, **kwargs) -> None:
         pass  # model-free
