@@ -14,7 +14,7 @@ math-verify when first used.
 from .drafting.drafter import ConsensusDrafter, DrafterOptions
 from .sampling.results import ProblemResult, Sample, SelfConsistencyRun, SpecDecodeStats
 from .sampling.routing import data_parallel_rank, rank_headers, shard
-from .sampling.self_consistency import self_consistency
+from .sampling.self_consistency import Voting, self_consistency
 from .sampling.stopping import StopRule, should_stop
 from .sampling.waves import Schedule
 from .vllm.options import ProposerOptions, consensus, engine_args
@@ -26,7 +26,7 @@ from .voting.vote import (AnswerClass, BestOfN, VoteResult, best_of_n, logprob_w
 __all__ = [
     "AnswerClass", "BestOfN", "ConsensusDrafter", "ConsensusProposer", "DrafterOptions",
     "ProblemResult", "ProposerOptions", "Sample", "Schedule", "SelfConsistencyRun",
-    "SpecDecodeStats", "StopRule", "VoteResult", "answers_equal", "best_of_n", "consensus",
+    "SpecDecodeStats", "StopRule", "VoteResult", "Voting", "answers_equal", "best_of_n", "consensus",
     "data_parallel_rank", "engine_args", "extract_answer", "logprob_weights", "majority_vote",
     "normalize_answer", "rank_headers", "self_consistency", "shard", "should_stop",
 ]
