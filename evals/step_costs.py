@@ -40,7 +40,8 @@ def measure(llm, batch: int, q: int, steps: int, prompt: str) -> float:
 
     DRAFT["length"] = q - 1
     params = SamplingParams(n=1, temperature=0.8, max_tokens=steps + 1, ignore_eos=True)
-    llm.generate([prompt], SamplingParams(n=1, max_tokens=2), use_tqdm=False)  # warm
+    # warm at this very shape: a first use can compile or allocate, which is no step cost
+    llm.generate([prompt] * batch, SamplingParams(n=1, max_tokens=4, ignore_eos=True), use_tqdm=False)
     t0 = time.perf_counter()
     outs = llm.generate([prompt] * batch, params, use_tqdm=False)
     wall = time.perf_counter() - t0
@@ -64,7 +65,11 @@ def main(argv=None) -> int:
     from consensus_spec.model import model_path
 
     model = args.model or model_path()
+    import torch
+
+    # as the evals run it: eager on CPU (CUDA graphs on a GPU)
     llm = LLM(model=model, gpu_memory_utilization=0.25, max_num_seqs=max(args.batches),
+              enforce_eager=not torch.cuda.is_available(),
               speculative_config={"method": "custom_class", "model": f"{__name__}.ProbeProposer",
                                   "num_speculative_tokens": max(args.q) - 1})
     DRAFT["token"] = llm.get_tokenizer().vocab_size - 1  # rarely, if ever, sampled
