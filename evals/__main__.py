@@ -1,4 +1,4 @@
-"""``python -m evals <command>``: replay benchmark and math evals."""
+"""``python -m evals <command>``: replay benchmark, math evals and trace recording."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 COMMANDS = {
     "replay": ("evals.replay_bench", "replay recorded traces through the drafters"),
     "math": ("evals.math_eval", "self-consistency math eval: accuracy and speed per drafting method"),
+    "record": ("evals.record", "record n sampled completions per problem as JSONL traces (ids, answers)"),
     "faults": ("evals.faults", "corrupted proposer inputs on chosen replay steps: containment and tau"),
     "step-costs": ("evals.step_costs", "measure a step-cost table T(B, q) for the draft budget"),
     "host-time": ("evals.host_time", "measure host time per engine step (what async scheduling hides)"),

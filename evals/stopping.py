@@ -149,7 +149,11 @@ def load_vote_traces(path: str, tokenizer, limit: int | None = None, extract=Non
             if len(comps) < 2:
                 continue
             ids, correct = gold_classes([extract(c) for c in comps], obj.get("answer"))
-            tokens = [len(e.ids) + 1 for e in tokenizer.encode_batch(comps)]  # + EOS
+            recorded = obj.get("completion_ids")  # python -m evals record: no tokenizer needed
+            if isinstance(recorded, list) and len(recorded) == len(comps):
+                tokens = [max(len(r), 1) for r in recorded]
+            else:
+                tokens = [len(e.ids) + 1 for e in tokenizer.encode_batch(comps)]  # + EOS
             out.append(VoteTrace(str(obj.get("id", f"line{lineno}")), ids, tokens, correct))
     return out
 

@@ -1,5 +1,11 @@
 """Recorded multi-sample traces: one JSON object per line with ``prompt`` and
-``completions`` (the sibling paths), tokenized for replay."""
+``completions`` (the sibling paths), tokenized for replay.
+
+Lines that ``python -m evals record`` wrote carry their token ids
+(``prompt_ids``, ``completion_ids``, ``meta.eos_token_id``): those are
+replayed as recorded, without a tokenizer.  Text-only lines (the shared
+traces) are tokenized; :func:`load_tokenizer` loads its tokenizer.json only
+when such a line needs it."""
 
 from __future__ import annotations
 
@@ -27,53 +33,138 @@ def shared_path(*parts: str) -> str:
     return os.path.normpath(os.path.join(SHARED_DATA, *parts))
 
 
-def load_tokenizer(path: str | None = None):
-    from tokenizers import Tokenizer
-    path = path or shared_path("tokenizers", "gpt2", "tokenizer.json")
-    if not os.path.exists(path):
+class _Ids:
+    def __init__(self, ids: list[int]):
+        self.ids = ids
+
+
+class TraceTokenizer:
+    """A ``tokenizers.Tokenizer`` loaded on first use, which also knows the
+    texts of recorded lines :func:`load_problems` read (their recorded ids,
+    EOS left off), so replaying a recorded file never loads a tokenizer."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._tokenizer = None
+        self._known: dict[str, list[int]] = {}
+
+    def remember(self, texts: list[str], ids: list[list[int]]) -> None:
+        self._known.update(zip(texts, ids))
+
+    def load(self):
+        if self._tokenizer is None:
+            if not os.path.exists(self.path):
+                raise TraceError(f"tokenizer not found: {self.path} (text traces need one; "
+                                 "pass --tokenizer, or record traces with token ids: python -m evals record)")
+            from tokenizers import Tokenizer
+            self._tokenizer = Tokenizer.from_file(self.path)
+        return self._tokenizer
+
+    def encode_batch(self, texts: list[str]):
+        if all(t in self._known for t in texts):
+            return [_Ids(self._known[t]) for t in texts]
+        return self.load().encode_batch(texts)
+
+
+def load_tokenizer(path: str | None = None) -> TraceTokenizer:
+    """The tokenizer for text traces (default: the shared GPT-2), loaded when
+    first needed; a ``path`` given explicitly must exist now."""
+    if path is not None and not os.path.exists(path):
         raise TraceError(f"tokenizer not found: {path}")
-    return Tokenizer.from_file(path)
+    return TraceTokenizer(path or shared_path("tokenizers", "gpt2", "tokenizer.json"))
 
 
-def load_problems(path: str, tokenizer, eos_id: int = GPT2_EOS, limit: int | None = None,
+def _token_ids(value, what: str, where: str) -> list[int]:
+    if not isinstance(value, list) or not value or not all(type(t) is int and t >= 0 for t in value):
+        raise TraceError(f"{where}: {what} must be a non-empty list of token ids (ints >= 0)")
+    return value
+
+
+def _recorded(obj: dict, where: str, eos_id: int) -> tuple[list[int], list[tuple[str, list[int]]]]:
+    """(prompt ids, [(completion text, ids ending with EOS)]) of a recorded line."""
+    prompt = _token_ids(obj.get("prompt_ids"), "prompt_ids", where)
+    comps = obj.get("completion_ids")
+    if not isinstance(comps, list):
+        raise TraceError(f"{where}: completion_ids must be a list of token-id lists")
+    texts = obj.get("completions")
+    if texts is not None and (not isinstance(texts, list) or len(texts) != len(comps)):
+        raise TraceError(f"{where}: {len(comps)} completion_ids but "
+                         f"{len(texts) if isinstance(texts, list) else 'no list of'} completions")
+    meta = obj.get("meta") if isinstance(obj.get("meta"), dict) else {}
+    eos = meta.get("eos_token_id", eos_id)
+    if type(eos) is not int:
+        raise TraceError(f"{where}: meta.eos_token_id must be an int, got {eos!r}")
+    out = []
+    for k, ids in enumerate(comps):
+        text = texts[k] if texts is not None else None
+        if texts is not None and not (isinstance(text, str) and text) or ids == []:
+            continue  # an empty sample, left out as text traces leave it (answers stay aligned)
+        ids = _token_ids(ids, f"completion_ids[{k}]", where)
+        out.append((text, ids if ids[-1] == eos else ids + [eos]))
+    return prompt, out
+
+
+def load_problems(path: str, tokenizer=None, eos_id: int = GPT2_EOS, limit: int | None = None,
                   min_samples: int = 2, log=print) -> list[Problem]:
-    """Tokenized problems from a trace file; unusable entries are skipped with a message."""
+    """Tokenized problems from a trace file.  Unusable entries are skipped with
+    a message, and so is a truncated last line (an interrupted write); a line
+    that is not JSON before the last, or recorded ids that are malformed, are a
+    :class:`TraceError` naming the line.  ``tokenizer`` (``encode_batch``) is
+    used for text-only lines; ``eos_id`` ends their completions (recorded
+    lines end with their own ``meta.eos_token_id``)."""
     if not os.path.exists(path):
         raise TraceError(f"trace file not found: {path}")
     problems: list[Problem] = []
     skipped: dict[str, int] = {}
+    name = os.path.basename(path)
 
     def skip(reason: str) -> None:
         skipped[reason] = skipped.get(reason, 0) + 1
 
     with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if limit is not None and len(problems) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                skip("invalid JSON")
-                continue
-            prompt, comps = obj.get("prompt") if isinstance(obj, dict) else None, \
-                obj.get("completions") if isinstance(obj, dict) else None
-            if not isinstance(prompt, str) or not prompt or not isinstance(comps, list):
-                skip("no prompt or completions")
-                continue
-            comps = [c for c in comps if isinstance(c, str) and c]
-            if len(comps) < min_samples:
+        lines = f.readlines()
+    last = max((i for i, line in enumerate(lines, 1) if line.strip()), default=0)
+    for lineno, line in enumerate(lines, 1):
+        if limit is not None and len(problems) >= limit:
+            break
+        if not line.strip():
+            continue
+        where = f"{path}, line {lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            if lineno < last:
+                raise TraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            skip(f"invalid JSON on the last line, line {lineno} (truncated by an interrupted write?)")
+            continue
+        if not isinstance(obj, dict):
+            skip("not a JSON object")
+            continue
+        pid = str(obj.get("id", f"line{lineno}"))
+        if "prompt_ids" in obj or "completion_ids" in obj:
+            prompt_ids, recorded = _recorded(obj, where, eos_id)
+            if len(recorded) < min_samples:
                 skip(f"fewer than {min_samples} non-empty completions")
                 continue
-            encoded = tokenizer.encode_batch([prompt] + comps)
-            problems.append(Problem(
-                id=str(obj.get("id", f"line{lineno}")),
-                prompt=encoded[0].ids,
-                completions=[e.ids + [eos_id] for e in encoded[1:]],
-            ))
+            if isinstance(tokenizer, TraceTokenizer):
+                pairs = [(t, ids[:-1]) for t, ids in recorded if t is not None]
+                tokenizer.remember([t for t, _ in pairs], [ids for _, ids in pairs])
+            problems.append(Problem(pid, prompt_ids, [ids for _, ids in recorded]))
+            continue
+        prompt, comps = obj.get("prompt"), obj.get("completions")
+        if not isinstance(prompt, str) or not prompt or not isinstance(comps, list):
+            skip("no prompt or completions")
+            continue
+        comps = [c for c in comps if isinstance(c, str) and c]
+        if len(comps) < min_samples:
+            skip(f"fewer than {min_samples} non-empty completions")
+            continue
+        if tokenizer is None:
+            raise TraceError(f"{where}: text without token ids, and no tokenizer given")
+        encoded = tokenizer.encode_batch([prompt] + comps)
+        problems.append(Problem(pid, encoded[0].ids, [e.ids + [eos_id] for e in encoded[1:]]))
     for reason, count in skipped.items():
-        log(f"{os.path.basename(path)}: skipped {count} entr{'y' if count == 1 else 'ies'}: {reason}")
+        log(f"{name}: skipped {count} entr{'y' if count == 1 else 'ies'}: {reason}")
     if not problems:
         raise TraceError(f"{path}: no replayable problems (need a prompt and >= {min_samples} completions)")
     return problems

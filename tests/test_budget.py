@@ -56,15 +56,25 @@ def test_unknown_cost_model_is_a_clear_error():
         cost_model("h100_70b")
 
 
-TABLE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "costs",
-                     "h200_qwen2.5-7b_step_ms.jsonl")
+# tests/fixtures/step_costs.jsonl, made by this project: COST_MODELS["h200_7b"].step_ms on the grid
+# of the measured table that model was fitted to (../shared/data/costs/h200_qwen2.5-7b_step_ms.jsonl,
+# mean error 3%), B in (1, 8, 16, 32, 64, 128) x q in (1, 2, 3, 5, 9, 17), rounded to 4 decimals:
+#   {"B": b, "q": q, "ms": round(float(COST_MODELS["h200_7b"].step_ms(b, q)), 4)}
+TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "step_costs.jsonl")
 
 
-@pytest.mark.skipif(not os.path.exists(TABLE), reason=f"shared cost table not found at {TABLE}")
-def test_fitted_model_tracks_the_measured_table():
+def test_h200_model_keeps_its_fitted_values_and_a_table_of_them_fits_back():
+    """The H200 model still gives the step costs it was fitted to give (changing
+    its constants is a refit, done on purpose, with this table remade), and a
+    table of that shape (a bent roofline, sharpness > 1) fits back to it."""
     rows = [json.loads(line) for line in open(TABLE)]
+    assert len(rows) == 36
     err = [abs(H200.step_ms(r["B"], r["q"]) - r["ms"]) / r["ms"] for r in rows]
-    assert np.mean(err) < 0.05 and max(err) < 0.3
+    assert max(err) < 1e-4
+    fitted = cost_model(TABLE)
+    err = [abs(fitted.step_ms(r["B"], r["q"]) - r["ms"]) / r["ms"] for r in rows]
+    assert np.mean(err) < 0.01 and max(err) < 0.03
+    assert fitted.sharpness > 1.5
 
 
 def test_calibrator_learns_that_estimates_run_high():
@@ -120,7 +130,7 @@ def test_auto_cost_model_follows_the_device():
     from types import SimpleNamespace
 
     from consensus_spec import ConsensusProposer
-    from evals.drafters import stand_in_config
+    from tests.stand_in import stand_in_config
 
     cfg = stand_in_config(k=4, max_model_len=100, max_num_seqs=8)
     assert ConsensusProposer(cfg).budget.model == COST_MODELS["h200_7b"]

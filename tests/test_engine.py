@@ -13,8 +13,7 @@ import sys
 
 import numpy as np
 import pytest
-
-pytest.importorskip("vllm", reason="vLLM not installed (pip install -e .[cpu])")
+import vllm  # noqa: F401 - declared (cpu extra): a missing one fails, never skips
 
 from tests.engine_run import DIST_SAMPLES, GREEDY_SAMPLED_TAIL, MAX_MODEL_LEN  # noqa: E402
 from tests.tiny_model import build_tiny_llama  # noqa: E402

@@ -7,7 +7,16 @@ from evals.drafters import make_drafter
 from evals.projection import StepCosts
 from evals.replay import replay
 from evals.replay_bench import main as replay_main
-from evals.traces import Problem, TraceError, load_problems, shared_path
+from evals.traces import Problem, TraceError, TraceTokenizer, load_problems, load_tokenizer
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+# 16 synthetic problems x 8 samples of the embedded model, recorded with
+#   python -m evals record --out tests/fixtures/embedded_n8.jsonl --dataset synthetic --limit 16
+#       --n 8 --max-tokens 96 --temperature 0.8 --dtype float32 --max-model-len 512 --seed 0
+TRACES = os.path.join(FIXTURES, "embedded_n8.jsonl")
+# COST_MODELS["h200_7b"].step_ms at B 1..128, q 1..17, rounded (the budget's own H200 model,
+# standing in for ../shared/data/costs; tests/test_budget.py says how it was made)
+STEP_COSTS = os.path.join(FIXTURES, "step_costs.jsonl")
 
 
 class CharTokenizer:
@@ -95,10 +104,8 @@ def test_bad_trace_files_give_clear_errors_or_skips(tmp_path):
 def test_cli_reports_errors_without_traceback(tmp_path, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    tok = shared_path("tokenizers", "gpt2", "tokenizer.json")
-    if not os.path.exists(tok):
-        pytest.skip(f"shared data not found at {tok}")
-    code = replay_main(["--traces", str(empty), "--methods", "consensus", "--out", str(tmp_path / "r")])
+    code = replay_main(["--traces", str(empty), "--methods", "consensus", "--costs", STEP_COSTS,
+                        "--host-time", "none", "--out", str(tmp_path / "r")])
     assert code == 2
     assert "no replayable problems" in capsys.readouterr().err
 
@@ -113,27 +120,25 @@ def test_projection_matches_the_formula():
         costs.step_ms(64, 1.0)
 
 
-SHARED_TRACES = shared_path("traces", "gsm8k_qwen3_4b_n8.jsonl")
-
-
-@pytest.mark.skipif(not os.path.exists(SHARED_TRACES), reason=f"shared traces not found at {SHARED_TRACES}")
-def test_real_traces_consensus_beats_no_drafting(tmp_path):
-    code = replay_main(["--traces", SHARED_TRACES, "--limit", "3", "--methods", "none", "consensus",
-                        "--scouts", "0", "--out", str(tmp_path / "r")])
+def test_recorded_traces_consensus_beats_no_drafting(tmp_path):
+    code = replay_main(["--traces", TRACES, "--limit", "3", "--methods", "none", "consensus",
+                        "--scouts", "0", "--batches", "16", "--schedules", "fixed",
+                        "--costs", STEP_COSTS, "--host-time", "none", "--out", str(tmp_path / "r")])
     assert code == 0
     results = json.loads((tmp_path / "r.json").read_text())["results"]
     tau = {r["method"]: r["tau"] for r in results}
-    assert tau["none"] == 1.0 and tau["consensus"] > 1.3
+    speedup = {r["method"]: r["speedup"] for r in results}
+    # the embedded model's siblings share most of their text: tau 2.0 on these three problems
+    assert tau["none"] == 1.0 and tau["consensus"] > 1.5
+    assert speedup["none"] == 1.0 and speedup["consensus"] > 1.0
 
 
-@pytest.mark.skipif(not os.path.exists(SHARED_TRACES), reason=f"shared traces not found at {SHARED_TRACES}")
 def test_budget_floor_only_skips_drafting_that_could_not_pay(monkeypatch):
     """The drafter stops walking below the budget's floor; what it sends must
     be exactly what the budget would have kept from full-length drafts."""
     from consensus_spec.budget import DraftBudget
-    from evals.traces import load_tokenizer
 
-    problems = load_problems(SHARED_TRACES, load_tokenizer(None), limit=30)
+    problems = load_problems(TRACES)  # 16 x 8 paths: one batch of 128 rows
     pruned = run("consensus", problems, k=8, rows=128)
     floors = []
     real_floor = DraftBudget.floor
@@ -142,3 +147,86 @@ def test_budget_floor_only_skips_drafting_that_could_not_pay(monkeypatch):
     assert max(floors) > 0.1  # the floor did prune at this batch size
     assert (pruned.tokens, pruned.row_steps, pruned.drafted, pruned.accepted) == \
         (full.tokens, full.row_steps, full.drafted, full.accepted)
+
+
+# --- recorded traces (python -m evals record) --------------------------------
+
+
+def test_recorded_ids_replay_without_a_tokenizer():
+    rows = [json.loads(line) for line in open(TRACES)]
+    problems = load_problems(TRACES)  # no tokenizer: the ids are in the file
+    assert [p.id for p in problems] == [r["id"] for r in rows]
+    for p, r in zip(problems, rows):
+        eos = r["meta"]["eos_token_id"]
+        assert p.prompt == r["prompt_ids"]
+        assert len(p.completions) == len(r["completions"]) == len(r["answers"]) == 8
+        for got, ids, why in zip(p.completions, r["completion_ids"], r["finish_reasons"]):
+            assert got[-1] == eos  # every path ends with EOS, as in text traces
+            assert got == (ids if why == "stop" else ids + [eos])
+    tokenizer = load_tokenizer(None)
+    load_problems(TRACES, tokenizer)
+    # the recorded texts tokenize to their ids without loading a tokenizer (the stopping
+    # and waves replays count tokens through encode_batch)
+    first = rows[0]
+    assert [e.ids for e in tokenizer.encode_batch(first["completions"])] == \
+        [ids[:-1] if ids[-1] == first["meta"]["eos_token_id"] else ids for ids in first["completion_ids"]]
+    assert tokenizer._tokenizer is None
+
+
+def test_bad_recorded_files_name_the_line(tmp_path):
+    good = json.dumps({"id": "a", "prompt": "q", "completions": ["x", "y"], "prompt_ids": [1, 5],
+                       "completion_ids": [[7, 2], [8]], "meta": {"eos_token_id": 2}})
+    path = tmp_path / "t.jsonl"
+    path.write_text(good + "\n" + good.replace("[7, 2]", '["7", 2]') + "\n")
+    with pytest.raises(TraceError, match=r"line 2: completion_ids\[0\] must be a non-empty list of token ids"):
+        load_problems(str(path))
+    path.write_text(good + "\n" + good.replace('"completions": ["x", "y"]', '"completions": ["x"]') + "\n")
+    with pytest.raises(TraceError, match="line 2: 2 completion_ids but 1 completions"):
+        load_problems(str(path))
+    path.write_text(good[:40] + "\n" + good + "\n")
+    with pytest.raises(TraceError, match="line 1: not valid JSON"):
+        load_problems(str(path))
+    path.write_text(good + "\n" + good[:40])  # an interrupted write: the last line is dropped
+    messages = []
+    (p,) = load_problems(str(path), log=messages.append)
+    assert p.completions == [[7, 2], [8, 2]]
+    assert any("line 2" in m and "truncated" in m for m in messages)
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps({"prompt": "q", "completions": ["x", "y"]}) + "\n")
+    with pytest.raises(TraceError, match="line 1: text without token ids"):
+        load_problems(str(text))
+    with pytest.raises(TraceError, match="tokenizer not found"):  # loaded when a text line needs it
+        load_problems(str(text), TraceTokenizer(str(tmp_path / "no-tokenizer.json")))
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_record_writes_traces_that_resume_and_replay(tmp_path, monkeypatch, capsys):
+    from evals import record
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as the CLI runs on CPU
+    out = tmp_path / "rec.jsonl"
+    common = ["--out", str(out), "--n", "2", "--max-tokens", "24", "--logprobs", "--dtype", "float32",
+              "--max-model-len", "256", "--gpu-memory-utilization", "0.2", "--batch-size", "2"]
+    assert record.main(common + ["--limit", "2"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["synthetic-0", "synthetic-1"]
+    for r in rows:
+        assert {"id", "prompt", "completions", "answer", "model", "temperature", "source", "prompt_ids",
+                "completion_ids", "logprobs", "answers", "gold", "meta"} <= set(r)
+        assert len(r["completions"]) == len(r["completion_ids"]) == len(r["answers"]) == 2
+        assert [len(x) for x in r["logprobs"]] == [len(x) for x in r["completion_ids"]]
+        assert all(lp <= 0 for x in r["logprobs"] for lp in x)
+        assert r["meta"]["n"] == 2 and r["meta"]["max_tokens"] == 24 and r["meta"]["vllm"]
+        assert r["meta"]["eos_token_id"] == 2 and r["answer"] == r["gold"]
+    # an interrupted write: the resumed run drops the cut line and records it again
+    text = out.read_text()
+    out.write_text(text[:len(text) - 30])
+    capsys.readouterr()
+    assert record.main(common + ["--limit", "3"]) == 0
+    assert "line 2 is truncated" in capsys.readouterr().err
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == \
+        ["synthetic-0", "synthetic-1", "synthetic-2"]
+    assert record.main(common + ["--limit", "3", "--n", "3"]) == 2  # other settings: refused
+    assert "recorded with n=2" in capsys.readouterr().err
+    assert [p.id for p in load_problems(str(out))] == ["synthetic-0", "synthetic-1", "synthetic-2"]

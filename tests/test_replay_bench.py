@@ -1,7 +1,8 @@
 import json
-import os
 
+import arctic_inference  # noqa: F401 - declared (evals extra): the suffix baselines need it
 import pytest
+import vllm  # noqa: F401 - declared (cpu extra): the ngram baseline needs it
 
 from evals.drafters import make_drafter, schedule_lookup
 from evals.host_time import summarize
@@ -9,11 +10,8 @@ from evals.projection import HostTime, StepCosts, break_even_host_ms
 from evals.replay import replay
 from evals.replay_bench import main as replay_main
 from evals.replay_bench import pick_schedule, schedule_from_ks, targets
-from evals.traces import shared_path
 from evals.traces import Problem
-from tests.test_replay import synthetic_problems
-
-pytest.importorskip("vllm")
+from tests.test_replay import STEP_COSTS, TRACES, synthetic_problems
 
 
 def repetitive_problems(n_problems=6, n_samples=6):
@@ -27,8 +25,6 @@ def repetitive_problems(n_problems=6, n_samples=6):
 
 
 def run(method, problems, k=4, rows=8, **kw):
-    if method.startswith("suffix"):
-        pytest.importorskip("arctic_inference")
     max_len = max(len(p.prompt) + max(map(len, p.completions)) for p in problems) + k + 2
     drafter = make_drafter(method, k, max_len, rows, **kw)
     calls = []
@@ -95,7 +91,6 @@ def test_schedule_only_for_methods_vllm_passes_it_to():
 
 
 def test_suffix_budget_reproduces_the_trace_and_learns_acceptance():
-    pytest.importorskip("arctic_inference")
     problems = synthetic_problems(n_problems=6, n_samples=6)
     k, rows = 4, 8
     max_len = max(len(p.prompt) + max(map(len, p.completions)) for p in problems) + k + 2
@@ -215,19 +210,14 @@ def test_targets_are_checked_plainly():
     assert any("async-aware consensus ≥ 1.0 in every run: MISSED" in x for x in lines)
 
 
-# --- end to end on shared data --------------------------------------------------
+# --- end to end on the recorded fixture (tests/fixtures, see tests/test_replay.py) ----
 
 
-SHARED_TRACES = shared_path("traces", "gsm8k_qwen3_4b_n8.jsonl")
-
-
-@pytest.mark.skipif(not os.path.exists(SHARED_TRACES), reason=f"shared traces not found at {SHARED_TRACES}")
 def test_bench_sweeps_schedules_and_reports_both_views(tmp_path):
-    pytest.importorskip("arctic_inference")
     host = tmp_path / "host.jsonl"
     host.write_text('{"B": 16, "host_ms": 1.0}\n{"B": 64, "host_ms": 2.0}\n')
     out = tmp_path / "r"
-    code = replay_main(["--traces", SHARED_TRACES, "--limit", "4", "--tune-limit", "2",
+    code = replay_main(["--traces", TRACES, "--limit", "4", "--tune-limit", "2", "--costs", STEP_COSTS,
                         "--batches", "16", "64", "--sweep-k", "0", "4", "--repeats", "2",
                         "--repeat-batches", "64", "--host-time", str(host), "--out", str(out)])
     assert code == 0
@@ -241,7 +231,7 @@ def test_bench_sweeps_schedules_and_reports_both_views(tmp_path):
         if r["method"] != "none":  # host time below the step: drafting only loses by it
             assert r["speedup_async"] < r["speedup"]
     for method in ("ngram", "suffix"):
-        pick = data["schedules"]["gsm8k_qwen3_4b_n8"][method]
+        pick = data["schedules"]["embedded_n8"][method]
         swept = {(s["batch"], s["k"]): s["speedup"] for s in data["sweep"] if s["method"] == method}
         for b in (16, 64):
             assert pick["speedup"][str(b)] == max(swept[(b, 0)], swept[(b, 4)])
@@ -254,7 +244,7 @@ def test_bench_sweeps_schedules_and_reports_both_views(tmp_path):
     slower = tmp_path / "slower.jsonl"
     slower.write_text('{"B": 16, "host_ms": 2.0}\n{"B": 64, "host_ms": 4.0}\n')
     assert replay_main(["--from-json", str(tmp_path / "r.json"), "--host-time", str(slower),
-                        "--out", str(tmp_path / "again")]) == 0
+                        "--costs", STEP_COSTS, "--out", str(tmp_path / "again")]) == 0
     again = json.loads((tmp_path / "again.json").read_text())["results"]
     assert len(again) == len(results)
     for old, new in zip(results, again):
@@ -265,18 +255,17 @@ def test_bench_sweeps_schedules_and_reports_both_views(tmp_path):
 
     # what-if: a free drafter projects to tau T(B, 1) / T(B, 1 + d)
     assert replay_main(["--from-json", str(tmp_path / "r.json"), "--host-time", str(host),
-                        "--drafter-time-scale", "0", "--out", str(tmp_path / "free")]) == 0
+                        "--costs", STEP_COSTS, "--drafter-time-scale", "0", "--out", str(tmp_path / "free")]) == 0
     assert "WHAT-IF" in (tmp_path / "free.md").read_text()
-    costs = StepCosts.load(shared_path("costs", "h200_qwen2.5-7b_step_ms.jsonl"))
+    costs = StepCosts.load(STEP_COSTS)
     for r in json.loads((tmp_path / "free.json").read_text())["results"]:
         if r["method"] != "none":
             b, d = r["batch"], r["drafts_per_step"]
             assert r["speedup"] == pytest.approx(r["tau"] * costs.step_ms(b, 1) / costs.step_ms(b, 1 + d))
 
 
-@pytest.mark.skipif(not os.path.exists(SHARED_TRACES), reason=f"shared traces not found at {SHARED_TRACES}")
 def test_bench_missing_host_table_is_an_error(tmp_path, capsys):
-    code = replay_main(["--traces", SHARED_TRACES, "--limit", "2", "--methods", "none",
+    code = replay_main(["--traces", TRACES, "--limit", "2", "--methods", "none", "--costs", STEP_COSTS,
                         "--host-time", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "r")])
     assert code == 2
     assert "host-time table not found" in capsys.readouterr().err

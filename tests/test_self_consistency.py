@@ -547,7 +547,6 @@ def _check_real_engine(llm, self_consistency):
                                 schedule=Schedule(waves=("rest",), check="path"))
     for r in per_path:
         assert r.stopped_early and len(r.samples) == 3 and r.num_aborted == 1
-    with pytest.warns(DeprecationWarning):  # old keywords still work
-        legacy = self_consistency(llm, probs[:1], n=4, max_tokens=12, scouts=2, capacity=4)
-    assert legacy.config["schedule"] == "2,rest" and len(legacy[0].samples) == 4
+    with pytest.raises(TypeError, match="scouts= -> schedule=Schedule"):  # 0.1's keywords name the new ones
+        self_consistency(llm, probs[:1], n=4, max_tokens=12, scouts=2, capacity=4)
     assert not llm.llm_engine.has_unfinished_requests()

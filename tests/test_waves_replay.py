@@ -4,7 +4,6 @@ each replayed step at its own batch size."""
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +12,8 @@ from consensus_spec.sampling.stopping import StopRule
 from consensus_spec.sampling.waves import Schedule
 from evals import waves_replay
 from evals.projection import HostTime, StepCosts, run_ms
-from evals.traces import Problem, shared_path
+from evals.traces import Problem
+from tests.test_replay import STEP_COSTS, TRACES
 
 EOS = 0
 
@@ -63,7 +63,6 @@ def test_idle_fill_aborts_running_paths_and_counts_their_tokens():
 
 
 def test_consensus_drafting_keeps_answers_and_cuts_steps():
-    pytest.importorskip("numba")
     problems, ids, correct = problems_with_answers()
     schedule = Schedule(waves=(2,), capacity=8)
     none = waves_replay.run_one(problems, ids, correct, 8, "none", schedule, StopRule(), args(), {})
@@ -88,17 +87,16 @@ def test_run_ms_sums_steps_at_their_own_batch_sizes():
     assert run_ms(costs, [8], [0], drafter_ms=[1], host=host) == pytest.approx(18 + 1 + 30)
 
 
-@pytest.mark.skipif(not os.path.exists(shared_path("traces", "addsub_codex002_n40.jsonl")),
-                    reason="shared traces not present")
-def test_command_on_shared_traces(tmp_path, capsys):
+def test_command_on_recorded_traces(tmp_path, capsys):
+    """The recorded fixture (tests/fixtures/embedded_n8.jsonl): its token ids are
+    replayed and its texts counted without loading a tokenizer."""
     out = tmp_path / "w"
-    assert waves_replay.main(["--traces", shared_path("traces", "addsub_codex002_n40.jsonl"),
-                              "--limit", "8", "--orders", "1", "--rows", "16", "--host-time", "none",
+    assert waves_replay.main(["--traces", TRACES, "--limit", "8", "--orders", "1", "--rows", "16",
+                              "--costs", STEP_COSTS, "--host-time", "none",
                               "--early-stop", "on", "decided", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "all at once | none" in text and "waves 2, sequential" in text and "waves 2, decided" in text
     assert (tmp_path / "w.json").exists() and (tmp_path / "w.md").exists()
-    pytest.importorskip("matplotlib")
     assert (tmp_path / "w.png").exists()
 
 

@@ -1,0 +1,253 @@
+"""Record multi-sample traces: n sampled completions per problem from any vLLM model.
+
+    python -m evals record --out FILE.jsonl [--dataset synthetic|gsm8k|math500|aime2024|FILE]
+                           [--limit N] [--n 8] [--temperature 0.8] [--max-tokens T]
+                           [--model DIR] [--speculative none|consensus] [--logprobs]
+
+Plain ``LLM.generate`` with ``SamplingParams(n=...)`` on the math eval's
+problems and prompts (``evals/datasets.py``, ``evals/prompts.py``), written to
+``--out`` in batches of ``--batch-size`` problems, one problem per line: the
+shared trace format (``id``, ``prompt``, ``completions``, ``answer`` (gold),
+``model``, ``temperature``, ``source``; see ../shared/data/README.md) plus
+``prompt_ids`` (the prompt's token ids as sent), ``completion_ids`` (the
+sampled ids, ending with ``meta.eos_token_id`` where a path stopped on it),
+``logprobs`` (with ``--logprobs``: each sampled token's logprob),
+``finish_reasons``, ``answers`` (``consensus_spec.extract_answer``, as the
+math eval votes), ``gold`` and ``meta`` (model, sampling parameters, EOS id,
+vLLM and consensus_spec versions).  ``evals/traces.py`` replays the ids as
+recorded, without a tokenizer.
+
+Rerun with the same ``--out`` to resume: problems already in the file are
+skipped, a truncated last line (an interrupted write) is dropped with a
+message, and different sampling settings are refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from .math_configs import UsageError
+from .math_eval import DEFAULT_MAX_TOKENS, _Parser, build_llm, on_cpu, resolve_model, shutdown
+
+# meta fields that must match to append to an existing file
+SAME_ON_RESUME = ("model", "dataset", "n", "temperature", "top_p", "max_tokens", "seed", "logprobs")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="python -m evals record", description=__doc__.split("\n\n")[0],
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="JSONL trace file (appended to: resumes)")
+    ap.add_argument("--dataset", default="synthetic",
+                    help="synthetic (default), gsm8k, math500, aime2024, or a .jsonl/.json/.parquet file")
+    ap.add_argument("--limit", type=int, help="first N problems")
+    ap.add_argument("--model", help="model directory or hub id (default: the embedded model)")
+    ap.add_argument("--n", type=int, default=8, help="samples per problem")
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--max-tokens", type=int,
+                    help="tokens per sample (default 256 for synthetic, else 1024)")
+    ap.add_argument("--logprobs", action="store_true", help="store each sampled token's logprob")
+    ap.add_argument("--speculative", choices=("none", "consensus"), default="none",
+                    help="consensus drafting while recording (lossless: same distribution)")
+    ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens with --speculative consensus")
+    ap.add_argument("--batch-size", type=int, default=16, help="problems per generate call and write")
+    ap.add_argument("--seed", type=int, default=0, help="engine seed")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.25,
+                    help="vLLM memory share (on CPU it sizes the KV cache in RAM)")
+    ap.add_argument("--dtype", default="auto", help="model dtype (float32 is safest on CPU)")
+    ap.add_argument("--max-model-len", type=int)
+    ap.add_argument("--max-num-seqs", type=int, help="engine batch rows (default: vLLM's)")
+    ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                    help="eager mode (default: on CPU only)")
+    ap.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    for name in ("n", "k", "batch_size", "limit", "max_tokens", "max_num_seqs"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise UsageError("--temperature must be >= 0 and --top-p in (0, 1]")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise UsageError("--gpu-memory-utilization must be in (0, 1]")
+    if args.max_model_len is not None and args.max_model_len < 16:
+        raise UsageError("--max-model-len must be >= 16")
+    args.drafter_options = {}  # math_eval.build_llm -> spec_config reads these
+    args.ngram_lookup = None
+    return args
+
+
+def model_name(model: str | None) -> str:
+    if model is None:
+        return "consensus_spec-embedded"
+    path = os.path.expanduser(model)
+    return os.path.basename(os.path.normpath(path)) if os.path.isdir(path) else model
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    import vllm
+    try:
+        own = version("consensus_spec")
+    except PackageNotFoundError:
+        own = None
+    return {"vllm": getattr(vllm, "__version__", None), "consensus_spec": own}
+
+
+def read_recorded(path: str, log=print) -> tuple[set[str], dict | None]:
+    """Ids already in ``path`` and the first line's meta.  A last line that
+    is not valid JSON (an interrupted write) is cut off with a message; a bad
+    line anywhere else is an error naming it."""
+    if not os.path.exists(path):
+        return set(), None
+    with open(path, "rb") as f:
+        lines = f.read().splitlines(keepends=True)
+    done, meta, offset = set(), None, 0
+    for lineno, raw in enumerate(lines, 1):
+        if raw.strip():
+            try:
+                obj = json.loads(raw)
+            except ValueError as e:
+                if lineno < len(lines):
+                    raise UsageError(f"{path}, line {lineno}: not valid JSON ({e}); "
+                                     "fix or remove the line, or record to another --out")
+                log(f"{path}: line {lineno} is truncated (an interrupted write): dropped, "
+                    "its problem is recorded again")
+                with open(path, "r+b") as f:
+                    f.truncate(offset)
+                break
+            if not isinstance(obj, dict) or "id" not in obj:
+                raise UsageError(f"{path}, line {lineno}: not a trace object with an id")
+            done.add(str(obj["id"]))
+            meta = meta or obj.get("meta")
+        offset += len(raw)
+    else:
+        if lines and not lines[-1].endswith(b"\n"):
+            with open(path, "ab") as f:  # a complete last object without its newline
+                f.write(b"\n")
+    return done, meta
+
+
+def check_resume(path: str, old: dict | None, new: dict) -> None:
+    if old is None:
+        return
+    for key in SAME_ON_RESUME:
+        if old.get(key) != new.get(key):
+            raise UsageError(f"{path} was recorded with {key}={old.get(key)!r}, this run has "
+                             f"{new.get(key)!r}: use another --out or the same settings")
+
+
+def trace_line(problem, prompt: str, output, meta: dict, logprobs: bool) -> dict:
+    from consensus_spec import extract_answer
+
+    comps = list(output.outputs)
+    line = dict(id=problem.id, prompt=prompt, completions=[c.text for c in comps],
+                answer=problem.gold, model=meta["model"], temperature=meta["temperature"],
+                source=f"python -m evals record --dataset {meta['dataset']}",
+                gold=problem.gold, answers=[extract_answer(c.text) for c in comps],
+                prompt_ids=list(output.prompt_token_ids),
+                completion_ids=[list(c.token_ids) for c in comps])
+    if logprobs:
+        line["logprobs"] = [[round(float(step[t].logprob), 4) for t, step in zip(c.token_ids, c.logprobs)]
+                            for c in comps]
+    line["finish_reasons"] = [c.finish_reason for c in comps]
+    line["meta"] = meta
+    return line
+
+
+def record(args, problems, meta: dict, done: set[str]) -> dict:
+    from tqdm import tqdm
+    from vllm import SamplingParams
+
+    from .prompts import build_prompt
+
+    todo = [p for p in problems if p.id not in done]
+    t0 = time.perf_counter()
+    llm = build_llm(args.speculative, args)
+    startup = time.perf_counter() - t0
+    stats = dict(problems=0, samples=0, tokens=0, startup_s=round(startup, 1))
+    try:
+        tokenizer = llm.get_tokenizer()
+        meta["eos_token_id"] = getattr(tokenizer, "eos_token_id", None)
+        params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
+                                max_tokens=meta["max_tokens"], logprobs=0 if args.logprobs else None)
+        t1 = time.perf_counter()
+        with open(args.out, "a", encoding="utf-8") as f, \
+                tqdm(total=len(problems), initial=len(problems) - len(todo), desc="record",
+                     unit="problem", file=sys.stderr, dynamic_ncols=True) as bar:
+            for i in range(0, len(todo), args.batch_size):
+                batch = todo[i:i + args.batch_size]
+                prompts = [build_prompt(p, tokenizer) for p in batch]
+                outputs = llm.generate(prompts, params, use_tqdm=False)
+                text = "".join(json.dumps(trace_line(p, q, o, meta, args.logprobs),
+                                          separators=(",", ":")) + "\n"
+                               for p, q, o in zip(batch, prompts, outputs))
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+                stats["problems"] += len(batch)
+                stats["samples"] += sum(len(o.outputs) for o in outputs)
+                stats["tokens"] += sum(len(c.token_ids) for o in outputs for c in o.outputs)
+                bar.update(len(batch))
+        stats["generate_s"] = round(time.perf_counter() - t1, 1)
+    finally:
+        shutdown(llm)
+    return stats
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(argv)
+        from .datasets import DatasetError, load_problems, resolve
+        try:
+            resolve(args.dataset)
+            name = model_name(args.model)
+            args.model = resolve_model(args.model)
+            problems = load_problems(args.dataset, args.limit)
+        except DatasetError as e:
+            raise UsageError(str(e))
+        try:
+            meta_versions = versions()
+        except ImportError:
+            raise UsageError("vLLM is not installed (pip install -e .[cpu] or .[gpu])")
+        kind = "synthetic" if all(p.kind == "synthetic" for p in problems) else "math"
+        meta = dict(model=name, dataset=args.dataset, n=args.n, temperature=args.temperature,
+                    top_p=args.top_p, max_tokens=args.max_tokens or DEFAULT_MAX_TOKENS[kind],
+                    seed=args.seed, logprobs=args.logprobs, speculative=args.speculative,
+                    dtype=args.dtype, **meta_versions)
+        done, old_meta = read_recorded(args.out, log=lambda m: print(m, file=sys.stderr))
+        check_resume(args.out, old_meta, meta)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help
+        return e.code if isinstance(e.code, int) else 0
+    left = sum(p.id not in done for p in problems)
+    if not left:
+        print(f"{args.out}: all {len(problems)} problems already recorded")
+        return 0
+    if done:
+        print(f"{args.out}: resuming, {len(problems) - left} of {len(problems)} problems already recorded",
+              file=sys.stderr)
+    if not args.verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if on_cpu() and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # as the math eval: one process on CPU
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    stats = record(args, problems, meta, done)
+    rate = stats["tokens"] / stats["generate_s"] if stats.get("generate_s") else 0.0
+    print(f"wrote {stats['problems']} problems ({stats['samples']} samples, {stats['tokens']} tokens, "
+          f"{rate:.0f} tokens/s; engine start {stats['startup_s']} s) to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
