@@ -179,6 +179,9 @@ def record(args, problems, meta: dict, done: set[str]) -> dict:
         meta["eos_token_id"] = getattr(tokenizer, "eos_token_id", None)
         params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
                                 max_tokens=meta["max_tokens"], logprobs=0 if args.logprobs else None)
+        from consensus_spec.sampling.engine_loop import read_spec_counters, spec_stats_delta
+
+        before = read_spec_counters(llm)
         t1 = time.perf_counter()
         with open(args.out, "a", encoding="utf-8") as f, \
                 tqdm(total=len(problems), initial=len(problems) - len(todo), desc="record",
@@ -198,6 +201,14 @@ def record(args, problems, meta: dict, done: set[str]) -> dict:
                 stats["tokens"] += sum(len(c.token_ids) for o in outputs for c in o.outputs)
                 bar.update(len(batch))
         stats["generate_s"] = round(time.perf_counter() - t1, 1)
+        spec = spec_stats_delta(before, read_spec_counters(llm))
+        if spec is not None and spec.num_drafts:
+            # tokens per row-step as the replay counts it: every step yields
+            # one token per row plus what it accepted
+            stats["engine"] = {"num_drafts": spec.num_drafts, "draft_tokens": spec.num_draft_tokens,
+                               "accepted": spec.num_accepted_tokens,
+                               "mean_acceptance_length": round(spec.mean_acceptance_length, 3),
+                               "tau": round(stats["tokens"] / max(stats["tokens"] - spec.num_accepted_tokens, 1), 3)}
     finally:
         shutdown(llm)
     return stats
@@ -246,6 +257,10 @@ def main(argv=None) -> int:
     rate = stats["tokens"] / stats["generate_s"] if stats.get("generate_s") else 0.0
     print(f"wrote {stats['problems']} problems ({stats['samples']} samples, {stats['tokens']} tokens, "
           f"{rate:.0f} tokens/s; engine start {stats['startup_s']} s) to {args.out}")
+    if "engine" in stats:
+        e = stats["engine"]
+        print(f"engine drafting: {e['accepted']} of {e['draft_tokens']} draft tokens accepted, mean "
+              f"acceptance length {e['mean_acceptance_length']}, tokens per row-step (tau) {e['tau']}")
     return 0
 
 
