@@ -188,3 +188,47 @@ def test_online_costs_can_be_turned_off():
     proposer = ConsensusProposer(cfg)
     assert proposer.budget.costs is None
     assert proposer.counters()["online_costs"] is False
+
+
+# -- the guard: tokens per measured second, every step counted ----------------
+
+from consensus_spec.budget.guard import DraftingGuard  # noqa: E402
+
+
+def run_guard(guard, batch, steps, draft_rate, plain_rate, rng, noise=0.2):
+    """Each step delivers tokens at the rate of the policy it ran (tokens per
+    second), with heavy per-step noise (prefills come and go)."""
+    drafted = []
+    for _ in range(steps):
+        d = guard.drafts(batch)
+        drafted.append(d)
+        rate = (draft_rate if d else plain_rate) * (1 + noise * rng.standard_normal())
+        guard.observe(batch, batch / max(rate, 1.0))
+    return drafted
+
+
+def test_guard_turns_drafting_off_where_plain_steps_deliver_more():
+    guard = DraftingGuard()
+    rng = np.random.default_rng(5)
+    run_guard(guard, 256, 400, draft_rate=700.0, plain_rate=1000.0, rng=rng)
+    assert guard.summary()["drafting_off_at_rows"] == [256] and guard.switches == 1
+    late = run_guard(guard, 256, 300, draft_rate=700.0, plain_rate=1000.0, rng=rng)
+    assert sum(late) / len(late) < 0.1  # only the probe windows draft
+
+
+def test_guard_keeps_drafting_where_it_pays_and_checks_less_often():
+    guard = DraftingGuard()
+    rng = np.random.default_rng(6)
+    early = run_guard(guard, 16, 300, draft_rate=2000.0, plain_rate=1000.0, rng=rng)
+    late = run_guard(guard, 16, 1000, draft_rate=2000.0, plain_rate=1000.0, rng=rng)
+    assert guard.switches == 0
+    assert 1 - sum(late) / len(late) < 1 - sum(early) / len(early) < 0.25  # windows grow rarer
+
+
+def test_guard_learns_drafting_back_when_it_pays_again():
+    guard = DraftingGuard()
+    rng = np.random.default_rng(7)
+    run_guard(guard, 64, 400, draft_rate=700.0, plain_rate=1000.0, rng=rng)
+    assert guard.summary()["drafting_off_at_rows"] == [64]
+    run_guard(guard, 64, 600, draft_rate=1500.0, plain_rate=1000.0, rng=rng)
+    assert guard.summary()["drafting_off_at_rows"] == [] and guard.switches == 2

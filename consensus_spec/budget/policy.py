@@ -11,6 +11,7 @@ from ..jit import Kernels
 from . import calibration
 from .calibration import AcceptanceCalibrator, _calibrate
 from .cost_models import StepCostModel
+from .guard import DraftingGuard
 from .online import OnlineStepCosts
 
 kernel = Kernels(globals(), uses=(calibration.kernel,))
@@ -119,6 +120,8 @@ class DraftBudget:
         self.model = model
         self.calibrator = calibrator or AcceptanceCalibrator()
         self.costs = OnlineStepCosts(model) if online else None
+        self.guard = DraftingGuard() if online else None
+        self._draft = True  # this step may carry drafts (the guard's call)
         self._step_ms: OrderedDict[int, np.ndarray] = OrderedDict()  # batch -> T(batch, 1 + m/batch)
         self._explore = False  # this step explores (see floor)
         self._shade = 0.0
@@ -143,6 +146,10 @@ class DraftBudget:
         less than that cost. Call once per step, before drafting: it also
         decides whether the step explores (then the floor is the lower
         bound's, which lets either bound's drafts through)."""
+        self._draft = self.guard is None or self.guard.drafts(batch)
+        if not self._draft:
+            self._explore = False
+            return 1.0  # no estimate reaches it: the drafter walks nothing
         if self.costs is None:
             t = self.step_ms(batch, 1)
             cost = (t[1] - t[0]) / t[0]
@@ -156,6 +163,9 @@ class DraftBudget:
         """:func:`choose_lengths` with this budget's model and calibration;
         on an exploring step, a bound's choice where the bounds differ."""
         out = np.empty(len(lengths), np.int64)
+        if not self._draft:
+            out[:] = 0
+            return out
         rate = self.calibrator.rate()
         tokens = int(np.minimum(lengths, probs.shape[1] if probs.ndim == 2 else 0).sum())
         _choose(probs, lengths, batch, self.step_ms(batch, tokens), rate, out)
@@ -177,6 +187,12 @@ class DraftBudget:
         self.calibrator.observe(probs, sent, accepted)
 
     def observe_step(self, batch: int, drafted: int, step_ms: float, drafter_ms: float) -> None:
-        """A timed engine step (see :meth:`OnlineStepCosts.observe`); no-op without online costs."""
+        """A clean timed engine step (see :meth:`OnlineStepCosts.observe`);
+        no-op without online costs."""
         if self.costs is not None:
             self.costs.observe(batch, drafted, step_ms, drafter_ms)
+
+    def observe_throughput(self, tokens: int, seconds: float) -> None:
+        """What the last step delivered, every step counted (the guard's input)."""
+        if self.guard is not None:
+            self.guard.observe(tokens, seconds)

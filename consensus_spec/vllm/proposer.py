@@ -205,6 +205,9 @@ class ConsensusProposer:
         attributable) to the budget's cost fit; log what it learned now and then."""
         if self.budget is None or self.budget.costs is None or start is None:
             return
+        if self._last_end is not None:  # every step, clean or not, for the guard
+            self.budget.observe_throughput(int(self.rows.step_tokens),
+                                           start - self._last_end + self._last_call_s)
         if verified is None or self._last_end is None:
             self.steps_unattributed += 1
         else:
@@ -252,7 +255,8 @@ class ConsensusProposer:
                 "steps_timed": self.steps_timed, "steps_unattributed": self.steps_unattributed,
                 "steps_outliers": costs.steps_rejected, "explore_pct": round(self._explore_pct(), 2),
                 "step_costs": costs.summary(self._last_rows),
-                "step_costs_by_rows": costs.learned()}
+                "step_costs_by_rows": costs.learned(),
+                "guard": self.budget.guard.summary()}
 
     def load_model(self, *args, **kwargs) -> None:
         pass  # model-free

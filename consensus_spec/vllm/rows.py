@@ -306,6 +306,11 @@ class RowTracker:
         return len(self._parked)
 
     @property
+    def step_tokens(self) -> int:
+        """Tokens the rows of the last update produced (sampled and accepted)."""
+        return int(self._counts.sum())
+
+    @property
     def num_rows(self) -> int:
         """Rows the per-row arrays hold: the largest batch seen."""
         return len(self._lens)

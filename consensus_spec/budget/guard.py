@@ -1,0 +1,110 @@
+"""A throughput check on the whole budget: does drafting pay, here, now?
+
+The step-cost fit learns from clean steps only. On a busy engine most steps
+also prefill arriving requests, and what drafts cost there (and anywhere the
+engine spends time the fit does not see) reaches no model. So, per bucket of
+batch sizes, the guard compares what both policies deliver in tokens per
+measured second, every step counted: now and then a short window of steps
+runs the other way (no drafts while drafting is on, the budget's drafts while
+it is off), and each window is paired with the steps just before it, which
+share its load. When the paired ratio says the other way is faster by more
+than a margin, over several windows, the guard switches. Windows grow rarer
+while the verdict holds, so a settled engine pays little for the check.
+"""
+
+from __future__ import annotations
+
+import math
+
+WINDOW = 4            # steps in a window of the other policy
+FIRST_PERIOD = 24     # steps between windows at first...
+MAX_PERIOD = 384      # ...growing to this while the verdict holds
+MARGIN = 0.03         # log-throughput advantage needed to switch (about 3%)
+MIN_WINDOWS = 3       # paired windows before any switch
+MEMORY = 0.7          # weight of past windows in the running verdict
+BUCKETS_PER_OCTAVE = 2
+
+
+def _bucket(batch: int) -> int:
+    return int(round(BUCKETS_PER_OCTAVE * math.log2(max(batch, 1))))
+
+
+class _Bucket:
+    __slots__ = ("drafting", "period", "countdown", "left", "window", "before", "verdict",
+                 "windows", "switches")
+
+    def __init__(self):
+        self.drafting = True     # the policy most steps follow
+        self.period = FIRST_PERIOD
+        self.countdown = FIRST_PERIOD  # steps until the next window
+        self.left = 0            # steps left in the current window
+        self.window = [0.0, 0.0]  # tokens, seconds in the window
+        self.before = []         # (tokens, seconds) of the latest ordinary steps
+        self.verdict = 0.0       # running log(throughput other / throughput ordinary)
+        self.windows = 0
+        self.switches = 0
+
+
+class DraftingGuard:
+    """Per batch-size bucket: whether this step drafts (:meth:`drafts`), and
+    what each step delivered (:meth:`observe`, for the step just run)."""
+
+    def __init__(self):
+        self._buckets: dict[int, _Bucket] = {}
+        self._last: tuple[_Bucket, bool] | None = None  # bucket, was a window step
+        self.windows = 0
+        self.switches = 0
+        self.steps_other = 0  # steps run against the current policy, to check it
+
+    def drafts(self, batch: int) -> bool:
+        """Whether the step about to be drafted for should carry drafts."""
+        b = self._buckets.get(_bucket(batch))
+        if b is None:
+            b = self._buckets[_bucket(batch)] = _Bucket()
+        if b.left == 0:
+            b.countdown -= 1
+            if b.countdown <= 0:
+                b.left, b.window = WINDOW, [0.0, 0.0]
+        in_window = b.left > 0
+        if in_window:
+            b.left -= 1
+            self.steps_other += 1
+        self._last = (b, in_window)
+        return b.drafting != in_window
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """The step decided by the last :meth:`drafts` produced ``tokens``
+        in ``seconds`` (engine and drafter)."""
+        if self._last is None or not (seconds > 0.0) or tokens <= 0:
+            return
+        b, in_window = self._last
+        self._last = None
+        if not in_window:
+            b.before.append((tokens, seconds))
+            del b.before[:-WINDOW]
+            return
+        b.window[0] += tokens
+        b.window[1] += seconds
+        if b.left == 0 and len(b.before) == WINDOW:  # window done: pair it with the steps before
+            ordinary = sum(t for t, _ in b.before) / sum(s for _, s in b.before)
+            ratio = math.log((b.window[0] / b.window[1]) / ordinary)
+            b.verdict = ratio if b.windows == 0 else MEMORY * b.verdict + (1 - MEMORY) * ratio
+            b.windows += 1
+            self.windows += 1
+            if b.windows >= MIN_WINDOWS and b.verdict > MARGIN:
+                b.drafting = not b.drafting  # the other policy delivers more
+                b.switches += 1
+                self.switches += 1
+                b.verdict, b.windows, b.period = 0.0, 0, FIRST_PERIOD
+            elif b.windows >= MIN_WINDOWS and b.verdict < -MARGIN:
+                b.period = min(2 * b.period, MAX_PERIOD)  # settled: check less often
+            b.countdown = b.period
+            b.before = []
+        elif b.left == 0:
+            b.countdown = b.period  # nothing to pair it with: just wait for the next
+
+    def summary(self) -> dict:
+        return {"windows": self.windows, "switches": self.switches,
+                "steps_other_policy": self.steps_other,
+                "drafting_off_at_rows": sorted(int(round(2 ** (k / BUCKETS_PER_OCTAVE)))
+                                               for k, b in self._buckets.items() if not b.drafting)}
