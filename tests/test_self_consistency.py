@@ -550,3 +550,45 @@ def _check_real_engine(llm, self_consistency):
     with pytest.raises(TypeError, match="scouts= -> schedule=Schedule"):  # 0.1's keywords name the new ones
         self_consistency(llm, probs[:1], n=4, max_tokens=12, scouts=2, capacity=4)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def _drafter_counters(worker):
+    return worker.model_runner.drafter.counters()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_self_consistency_with_consensus_drafting_and_waves_on_vllm(monkeypatch):
+    """The default path a user takes: consensus drafting, waves and the stop
+    rule, on the embedded model; vLLM's spec-decode counters agree with the
+    proposer's own."""
+    import consensus_spec
+    from consensus_spec.model import model_path
+    from consensus_spec.model.synthetic import format_prompt, test_set
+    from vllm import LLM
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the proposer in this process
+    llm = LLM(model_path(), **consensus_spec.engine_args(8), max_model_len=512, seed=0,
+              dtype="float32", disable_log_stats=False, enforce_eager=True, max_num_seqs=32,
+              gpu_memory_utilization=0.05)
+    try:
+        problems = [p["question"] for p in test_set(8)]
+        run = consensus_spec.self_consistency(llm, problems, n=8, temperature=0.8, max_tokens=96,
+                                              prompt_template=format_prompt, early_stop=True)
+        counters = next(c for c in llm.collective_rpc(_drafter_counters) if c)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert len(run) == 8 and all(r.answer is not None for r in run)
+    assert all(len(r.samples) % 2 == 0 for r in run)  # whole waves of 2
+    spec = run.spec_decode
+    assert spec is not None and spec.num_accepted_tokens > 0
+    assert counters["num_failures"] == 0 and not counters["disabled"]
+    # the proposer counts what it proposed, and what it saw accepted on the
+    # next step (rows that finish take their verdict with them); vLLM counts
+    # the drafts it scheduled (dropped for finished rows) and accepted
+    assert counters["num_accepted"] <= spec.num_accepted_tokens <= spec.num_draft_tokens
+    assert spec.num_draft_tokens <= counters["num_drafted"]
+    assert counters["num_accepted"] >= 0.8 * spec.num_accepted_tokens
+    assert counters["num_drafted"] - spec.num_draft_tokens <= 0.2 * counters["num_drafted"]
+    assert counters["steps_timed"] > 0  # the budget learned from this engine's steps
