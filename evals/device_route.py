@@ -57,7 +57,7 @@ kernel = Kernels(globals(), uses=(TK.kernel,))
 
 
 @kernel
-def _keys(nodes, table, shift, max_depth, min_match, buf, lens, group_roots, cross_root):
+def _keys(nodes, t0, t1, shift, half, max_depth, min_match, buf, lens, group_roots, cross_root):
     """Per row, the (group node, cross node) pair the device table's entry for
     its current context was drafted from; (-1, -1) is a miss."""
     rows = lens.shape[0]
@@ -69,19 +69,19 @@ def _keys(nodes, table, shift, max_depth, min_match, buf, lens, group_roots, cro
         a = group_roots[i]
         if a >= 0:
             for j in range(start, n):
-                a = _step(nodes, table, shift, max_depth, a, buf[i, j])
+                a = _step(nodes, t0, t1, shift, half, max_depth, a, buf[i, j])
             d = nodes[a, DEP]
             if d >= min_match:  # group table hit: key is the last d tokens
                 b = cross_root
                 if b >= 0:
                     for j in range(n - d, n):
-                        b = _step(nodes, table, shift, max_depth, b, buf[i, j])
+                        b = _step(nodes, t0, t1, shift, half, max_depth, b, buf[i, j])
                 a_out[i], b_out[i] = a, b
                 continue
         if cross_root >= 0:  # shared cross-group table
             b = cross_root
             for j in range(start, n):
-                b = _step(nodes, table, shift, max_depth, b, buf[i, j])
+                b = _step(nodes, t0, t1, shift, half, max_depth, b, buf[i, j])
             if nodes[b, DEP] >= min_match:
                 b_out[i] = b
     return a_out, b_out
@@ -152,8 +152,8 @@ class DeviceRouteDrafter:
         group_roots = np.array([d._path_group[p].root for p in paths.tolist()], np.int64)
         cross = d._cross_start()
         buf = np.asarray(batch.token_ids_cpu[:len(paths)])
-        a, b = _keys(forest._nodes, forest._table, forest._shift, o.max_depth, o.min_match,
-                     buf, lens, group_roots, cross)
+        a, b = _keys(forest._nodes, *forest._tables, forest._shift, forest.half, o.max_depth,
+                     o.min_match, buf, lens, group_roots, cross)
         toks, _, got = forest.draft_many(a, b, o.cross_group_weight, np.full(len(paths), k),
                                          k, 0.0, o.min_match, o.prior)
         drafts = []
@@ -170,16 +170,20 @@ class DeviceRouteDrafter:
 
     def _snapshot(self):
         forest = self.drafter.forest
-        n = forest.num_nodes()
-        return n, forest._nodes[:n, TOT].copy()
+        ends = forest._state[:, 0].copy()
+        return ends, self.drafter.evictions, [forest._nodes[h * forest.half:ends[h], TOT].copy()
+                                              for h in (0, 1)]
 
     def _account(self, k: int, before) -> None:
-        n0, tot0 = before
+        ends0, evictions, tot0 = before
         d = self.drafter
         forest = d.forest
-        n1 = forest.num_nodes()
-        dirty = np.concatenate([np.flatnonzero(forest._nodes[:n0, TOT] != tot0),
-                                np.arange(n0, n1)])
+        if d.evictions != evictions:  # a half was dropped meanwhile: node ids were reused
+            return
+        ends1 = forest._state[:, 0]
+        dirty = np.concatenate([np.concatenate([
+            h * forest.half + np.flatnonzero(forest._nodes[h * forest.half:ends0[h], TOT] != tot0[h]),
+            np.arange(ends0[h], ends1[h])]) for h in (0, 1)])
         t0 = time.process_time()  # the host recomputing those contexts' K-token entries
         forest.draft_many(dirty, np.full(len(dirty), -1), 0.0, np.full(len(dirty), k), k, 0.0,
                           d.options.min_match, d.options.prior)

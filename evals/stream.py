@@ -17,13 +17,15 @@ fails or a drafting step failed.
 from __future__ import annotations
 
 import argparse
-import inspect
+import gc
 import json
 import os
 import random
 import resource
 import sys
 import time
+
+import numpy as np
 
 from consensus_spec import DrafterOptions
 
@@ -58,6 +60,11 @@ class Monitor:
         self.t0 = time.perf_counter()
         self._last_counters = self._counters()
         self._timed = None
+        self.arena_bytes = proposer.drafter.forest.nbytes
+        self.arena_changes = 0
+        self.call_s: list[float] = []      # wall seconds per propose() call
+        self.call_cpu_s: list[float] = []  # thread CPU seconds per call
+        self._time_calls()
 
     def _counters(self) -> dict:
         d = self.proposer.drafter
@@ -65,19 +72,32 @@ class Monitor:
                                             "nodes_evicted")}
 
     def _time_evictions(self) -> None:
-        """Wrap the drafter's eviction to time each one (the drafter object
+        """Wrap the drafter's rotation to time each one (the drafter object
         is rebuilt if a step ever fails, hence checked every step)."""
         d = self.proposer.drafter
         if self._timed is d:
             return
-        evict = d._evict
+        rotate = d._rotate
 
         def timed():
             t, cpu = time.perf_counter(), time.process_time()
-            evict()
+            rotate()
             self.evict_s.append((time.perf_counter() - t, time.process_time() - cpu))
-        d._evict = timed
+        d._rotate = timed
         self._timed = d
+
+    def _time_calls(self) -> None:
+        """Wrap ``propose`` to time every call: wall and this thread's CPU."""
+        propose = self.proposer.propose
+
+        def timed(*args, **kwargs):
+            t, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return propose(*args, **kwargs)
+            finally:
+                self.call_s.append(time.perf_counter() - t)
+                self.call_cpu_s.append(time.thread_time() - cpu)
+        self.proposer.propose = timed
 
     def end_pass(self, stats) -> None:
         for k in self.base:
@@ -91,6 +111,8 @@ class Monitor:
         self.peak_nodes = max(self.peak_nodes, nodes)
         self.peak_bytes = max(self.peak_bytes, forest.nbytes)
         self.peak_capacity = max(self.peak_capacity, len(forest._nodes))
+        if forest.nbytes != self.arena_bytes:
+            self.arena_changes += 1  # the arrays were reallocated: there should be none
         now = {k: self.base[k] + getattr(stats, k) for k in self.base}
         if now["tokens"] - self.start["tokens"] >= self.window:
             self.close(now)
@@ -130,6 +152,18 @@ def check(windows: list[dict]) -> list[str]:
     return sorted(set(failures))
 
 
+def call_percentiles(wall: list[float], cpu: list[float]) -> dict:
+    """p50 / p99 / p99.9 / max of propose() calls, wall and thread CPU, in ms."""
+    out = {"propose_calls": len(wall)}
+    for name, xs in (("wall", wall), ("cpu", cpu)):
+        a = np.asarray(xs) * 1e3 if xs else np.zeros(1)
+        for q, label in ((50, "p50"), (99, "p99"), (99.9, "p999")):
+            out[f"propose_{name}_ms_{label}"] = float(np.percentile(a, q))
+        out[f"propose_{name}_ms_max"] = float(a.max())
+        out[f"propose_{name}_over_10ms"] = int((a > 10).sum())
+    return out
+
+
 def pass_problems(problems: list[Problem], p: int, seed: int) -> list[Problem]:
     order = list(range(len(problems)))
     random.Random(seed * 1000 + p).shuffle(order)
@@ -150,7 +184,7 @@ def run(args) -> dict:
     max_len = max(len(p.prompt) + max(map(len, p.completions)) for p in problems) + 1 + args.k + 2
     options = {"max_trie_nodes": args.max_trie_nodes}
     drafter = make_drafter("consensus", args.k, max_len, args.rows, options)
-    proposer = inspect.getclosurevars(drafter).nonlocals["p"]  # the ConsensusProposer it calls
+    proposer = drafter.proposer  # the ConsensusProposer it calls
     rss0 = rss_mb()
     monitor = Monitor(proposer, args.window)
     left, p = args.tokens, 0
@@ -158,6 +192,8 @@ def run(args) -> dict:
           f"at {args.rows} rows, k={args.k}, max_trie_nodes={args.max_trie_nodes:,}", file=sys.stderr)
     while left > 0:
         batch = pass_problems(problems, p, args.seed)
+        gc.freeze()  # as vLLM's engine core does after start-up: the harness's traces
+        #              (millions of Python ints) must not make GC pauses inside propose()
         if per_pass > left:  # the last pass: just enough problems
             n = total = 0
             while total < left:
@@ -183,9 +219,9 @@ def run(args) -> dict:
         "peak_nodes_over_limit": monitor.peak_nodes / node_limit,
         "peak_node_capacity": monitor.peak_capacity,
         "peak_array_bytes": monitor.peak_bytes,
-        # bytes of max_trie_nodes nodes in the node arrays, without the edge table
-        "node_budget_bytes": node_limit * (d.forest.nbytes - d.forest._table.nbytes)
-        // len(d.forest._nodes),
+        "node_budget_bytes": d.forest._nodes.nbytes,  # the node array, without the edge tables
+        "arena_reallocations": monitor.arena_changes,
+        **call_percentiles(monitor.call_s, monitor.call_cpu_s),
         "rss_start_mb": rss0, "rss_end_mb": rss_mb(),
         "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "evictions": d.evictions, "groups_evicted": d.groups_evicted,
@@ -225,6 +261,13 @@ def markdown(result: dict) -> str:
         f"{s['node_budget_bytes'] / mb:.0f} MB for max_trie_nodes node rows "
         f"({s['peak_array_bytes'] / s['node_budget_bytes']:.2f} x, "
         f"{s['peak_array_bytes'] / s['max_trie_nodes']:.0f} B per max_trie_nodes node)",
+        f"- propose() per call, {s['propose_calls']:,} calls: wall p50 "
+        f"{s['propose_wall_ms_p50']:.2f} ms, p99 {s['propose_wall_ms_p99']:.2f}, p99.9 "
+        f"{s['propose_wall_ms_p999']:.2f}, max {s['propose_wall_ms_max']:.2f} "
+        f"({s['propose_wall_over_10ms']} calls over 10 ms); thread CPU p50 "
+        f"{s['propose_cpu_ms_p50']:.2f}, p99.9 {s['propose_cpu_ms_p999']:.2f}, max "
+        f"{s['propose_cpu_ms_max']:.2f} ({s['propose_cpu_over_10ms']} over 10 ms); "
+        f"arrays reallocated {s['arena_reallocations']} times",
         f"- RSS {s['rss_start_mb']:.0f} MB before streaming, {s['rss_end_mb']:.0f} MB at the end, "
         f"peak {s['max_rss_mb']:.0f} MB",
         f"- check (tau within {MAX_DROP:.0%} after each eviction, no failed drafting steps): "

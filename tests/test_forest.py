@@ -10,7 +10,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from consensus_spec.drafting.forest import BEST, CNT, DEP, LINK, TOT, SuffixForest
+from consensus_spec.drafting.forest import BEST, CNT, DEP, LINK, TOT, ForestFull, SuffixForest
 from tests.reference_trie import SuffixTrie, joint_draft
 
 
@@ -54,7 +54,7 @@ def count_occurrences(seqs, sub):
 @pytest.mark.parametrize("max_depth,vocab,seed", [(1, 3, 0), (4, 3, 1), (6, 8, 2)])
 def test_matches_suffix_tries_fed_in_chunks(max_depth, vocab, seed):
     rng = random.Random(seed)
-    forest = SuffixForest(max_depth, capacity=64)
+    forest = SuffixForest(max_depth, capacity=1 << 14)
     tries = [SuffixTrie(max_depth) for _ in range(4)]
     roots = [forest.new_root() for _ in tries]
     # three sequences per trie, all advanced together, one extend_many per round
@@ -87,20 +87,36 @@ def test_matches_suffix_tries_fed_in_chunks(max_depth, vocab, seed):
     assert forest.num_nodes() == sum(len(t) for t in tries)
 
 
-def test_grows_past_initial_capacity():
+def test_halves_fill_and_rotate_without_touching_the_young_half():
+    """A trie stays in the half it started in; a full half refuses the call
+    (changing nothing) and rotate() drops only the old half."""
     rng = random.Random(3)
-    forest = SuffixForest(max_depth=5, capacity=2)
+    forest = SuffixForest(max_depth=5, capacity=4000)  # 2000 nodes a half
     tries = [SuffixTrie(5) for _ in range(3)]
     roots = [forest.new_root() for _ in tries]
+    assert forest.half_of(roots).tolist() == [0, 0, 0]
     seqs = [[rng.randrange(50) for _ in range(400)] for _ in tries]
     fnode, tnode = np.array(roots, np.int64), [0] * 3
-    for i in range(0, 400, 25):
-        chunks = [s[i:i + 25] for s in seqs]
-        fnode = forest.extend_many(fnode, *batch(chunks))
-        tnode = [t.extend(n, c) for t, n, c in zip(tries, tnode, chunks)]
-    assert forest.num_nodes() > 1000 and len(forest._nodes) >= forest.num_nodes()
-    for root, trie in zip(roots, tries):
+    with pytest.raises(ForestFull) as full:
+        for i in range(0, 400, 25):
+            chunks = [s[i:i + 25] for s in seqs]
+            before = forest.num_nodes(0)
+            fnode = forest.extend_many(fnode, *batch(chunks))
+            tnode = [t.extend(n, c) for t, n, c in zip(tries, tnode, chunks)]
+    assert full.value.half == 0 and forest.num_nodes(0) == before > 300
+    for root, trie in zip(roots, tries):  # the refused call changed nothing
         assert_same_trie(forest, root, trie)
+    assert forest.rotate() == 1 and forest.young == 1  # drops the (empty) old half
+    fresh, fresh_trie = forest.new_root(), SuffixTrie(5)
+    assert forest.half_of([fresh]).tolist() == [1]
+    node = forest.extend_many([fresh], seqs[0][:30], [0, 30])
+    fresh_trie.extend(0, seqs[0][:30])
+    assert forest.rotate() == 0 and forest.num_nodes(0) == 0  # drops half 0, keeps half 1
+    assert_same_trie(forest, fresh, fresh_trie)
+    with pytest.raises(ValueError):
+        forest.extend_many([roots[0]], [1], [0, 1])  # its trie was dropped
+    forest.extend_many(node, [7], [0, 1])
+    assert forest.num_nodes() == forest.num_nodes(1) == len(fresh_trie) + 5
 
 
 def test_bad_input_raises_and_leaves_forest_untouched():
@@ -138,7 +154,7 @@ def test_draft_many_matches_the_reference_walk(opts):
     o = dict(opts)
     vocab = o.pop("vocab", 5)  # larger: shallower matches, more back-off
     depth, weight = o["max_depth"], o["weight"]
-    forest = SuffixForest(depth, capacity=256)
+    forest = SuffixForest(depth, capacity=1 << 16)
     cross_f, cross_t = forest.new_root(), SuffixTrie(depth)
     k = 6
     rows = []  # [group trie, group node, cross node, forest group node, forest cross node]
@@ -186,7 +202,7 @@ def bench(steps=110, warmup=10, k=8, per_group=8, history=1000, prompt_len=256):
     rng = np.random.default_rng(0)
     depth, weight, min_prob, min_match, prior = 12, 0.8, 0.05, 1, 0.0
     for rows in (16, 128):
-        forest = SuffixForest(depth)
+        forest = SuffixForest(depth, capacity=1 << 24)
         cross_f, cross_t = forest.new_root(), SuffixTrie(depth)
         seqs, fa, ta = [], [], []
         for g in range(rows // per_group):

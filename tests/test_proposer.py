@@ -112,6 +112,99 @@ def test_drafts_respect_k_and_max_model_len():
     assert drafts[0] == []
 
 
+def two_groups(p, fault=None):
+    """Rows 0-1 siblings of PROMPT, rows 2-3 siblings of another prompt, fed
+    the same tokens; ``fault(step, args)`` may corrupt a copy of the inputs."""
+    e = Engine(p)
+    other = [60, 61, 62]
+    for r, prompt in enumerate((PROMPT, PROMPT, other, other)):
+        e.load(r, prompt)
+    script = [[[1], [1], [7], [7]], [[2, 3, 4], [2], [8, 9], [8]], [[5], [3], [10], [9]],
+              [[6], [4], [11], [10]], [[1], [5], [12], [11]], [[2], [6], [13], [12]]]
+    out = []
+    for step, sampled in enumerate(script):
+        for row, toks in enumerate(sampled):
+            e.append(row, toks)
+        args = (sampled, e.n.copy(), e.buf.copy())
+        if fault is not None:
+            args = fault(step, args)
+        out.append(p.propose(*args))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["huge_id", "negative_id", "not_a_list", "past_buffer"])
+def test_a_bad_row_sits_out_alone_and_other_groups_draft_unchanged(kind):
+    def corrupt(step, args):
+        sampled, n, buf = args
+        if step == 2:  # row 1 (a sibling in group one) goes bad for one step
+            if kind == "huge_id":
+                buf[1, n[1] - 1] = 1 << 21
+            elif kind == "negative_id":
+                buf[1, n[1] - 1] = -5
+            elif kind == "not_a_list":
+                sampled = [sampled[0], None, sampled[2], sampled[3]]
+            else:
+                n[1] = buf.shape[1] + 9
+        return sampled, n, buf
+
+    clean, faulty = make(min_prob=0.0), make(min_prob=0.0)
+    a, b = two_groups(clean), two_groups(faulty, corrupt)
+    assert faulty.num_failures == 0 and faulty.num_resets == 0
+    assert faulty.rows.rows_rejected == 1
+    assert b[2][1] == [] and a[2][1] != []  # the bad row alone drafts nothing that step
+    for step in range(len(a)):              # the other group never notices
+        assert b[step][2:] == a[step][2:]
+    assert b[2][0] == a[2][0]               # nor does its sibling that step
+    assert faulty.drafter.num_groups == 2 and faulty.rows.paths_started == 4
+    assert faulty.rows.paths_resumed == 1   # the bad row's path came back, in its group
+    assert b[-1][1] != []
+
+
+def test_a_failed_step_regroups_rows_in_flight_with_their_siblings():
+    """A failure inside the drafter (after row tracking) rebuilds the tries,
+    not the tracker: every row keeps its path and group, and its output so far
+    is back in its group's trie, so siblings draft from each other at once."""
+    clean, faulty = make(min_prob=0.0), make(min_prob=0.0)
+    a = two_groups(clean)
+    groups = {}
+
+    def fail_once(step, args):
+        if step == 3:
+            groups.update({r: faulty.drafter._path_group[int(faulty.rows._path[r])]
+                           for r in range(4)})
+            real = faulty.drafter.extend_and_draft
+
+            def boom(*x, **k):
+                faulty.drafter.extend_and_draft = real
+                raise RuntimeError("injected")
+            faulty.drafter.extend_and_draft = boom
+        return args
+
+    b = two_groups(faulty, fail_once)
+    assert faulty.num_failures == 1 and faulty.num_regroups == 1 and not faulty.disabled
+    assert b[3] == [[], [], [], []]
+    assert {r: faulty.drafter._path_group[int(faulty.rows._path[r])] for r in range(4)} == groups
+    assert faulty.rows.paths_started == 4 and faulty.drafter.num_groups == 2
+    assert [len(d) > 0 for d in b[4]] == [len(d) > 0 for d in a[4]]
+    assert b[5] == a[5]  # the tries hold the same n-grams again
+
+
+def test_a_second_failure_in_a_row_rebuilds_everything():
+    p = make(min_prob=0.0)
+
+    def fail_twice(step, args):
+        if step in (3, 4):
+            def boom(*x, **k):
+                raise RuntimeError("injected")
+            p.drafter.extend_and_draft = boom
+        return args
+
+    tracker = p.rows
+    two_groups(p, fail_twice)
+    assert p.num_failures == 2 and p.num_resets == 2 and p.num_regroups == 1
+    assert p.rows is not tracker and p.rows.paths_started == 4  # every row started afresh
+
+
 def test_consensus_is_the_one_line_config_and_options_go_in_additional_config():
     assert consensus == {"method": "custom_class", "model": "consensus_spec.ConsensusProposer",
                          "num_speculative_tokens": 8}

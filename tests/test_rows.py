@@ -265,8 +265,6 @@ def test_shapes_that_do_not_fit_raise_and_change_nothing():
     with pytest.raises(ValueError):
         t.update([[1], [1]], b.n, b.buf[:1])  # fewer rows than the batch
     with pytest.raises(ValueError):
-        t.update([[1], None], b.n, b.buf)  # not a token list
-    with pytest.raises(ValueError):
         t.update([[1], [1]], b.n.astype(np.float64), b.buf)
     with pytest.raises(ValueError):
         t.update([[1], [1]], b.n, b.buf.astype(np.uint64))  # numba would mix it as float
@@ -274,6 +272,32 @@ def test_shapes_that_do_not_fit_raise_and_change_nothing():
     assert out == {0: (0, 3, True), 1: (1, 3, True)}
     assert t.rows_rejected == 0
     assert t.update([], np.zeros(0), b.buf).rows.tolist() == []  # an empty batch is fine
+
+
+def test_a_row_with_bad_ids_or_no_token_list_sits_out_alone():
+    b = Batch(rows=3, width=16)
+    b.tracker = RowTracker(b._start, max_parked=100, token_limit=100)
+    for row, prompt in enumerate(([1, 2], [1, 2], [3, 4])):
+        b.load(row, prompt)
+    b.step([[5], [6], [7]])
+    b.append(1, [100])                        # an id at the limit in row 1's new tokens
+    b.append(0, [8])
+    b.append(2, [9])
+    update = b.tracker.update([[8], [100], [9]], b.n, b.buf)
+    assert update.rows.tolist() == [0, 2] and update.contiguous.tolist() == [True, True]
+    assert b.tracker.rows_rejected == 1
+    b.buf[1, b.n[1] - 1] = 10                 # the row makes sense again: its path resumes
+    b.append(0, [11])
+    update = b.tracker.update([[11], None, []], b.n, b.buf)  # None: row 1 sits out again
+    assert update.rows.tolist() == [0] and b.tracker.rows_rejected == 2
+    b.buf[1, b.n[1]] = 12
+    b.n[1] += 1
+    update = b.tracker.update([[], [12], []], b.n, b.buf)
+    assert update.rows.tolist() == [1] and b.tracker.paths_resumed == 1
+    assert update.paths.tolist() == [1] and update.begins.tolist() == [3]  # from [1, 2, 6]
+    b.load(2, [3, -4, 7])                     # a moved or new row reads every token: bad here
+    update = b.tracker.update([[], [], [7]], b.n, b.buf)
+    assert update.rows.tolist() == [] and b.tracker.rows_rejected == 3
 
 
 def vllm_like_run(seed, steps=400, max_rows=6, width=512):

@@ -8,23 +8,26 @@ outputs is the other source, weighted below siblings.
 
 All tries live in one compiled arena (:class:`SuffixForest`) so a step's
 appends, and its drafts, are one call each for the whole batch. Memory stays
-bounded however many paths pass: released path ids are reused, groups are
-forgotten least recently used, the cross-group trie restarts beyond a token
-budget, and once the arena holds ``max_trie_nodes`` nodes tries are evicted
-(see :meth:`ConsensusDrafter._evict`): forgotten ones first, then idle
-groups least recently used, then the cross-group trie, live groups last.
+bounded however many paths pass, and no step ever pauses to free it:
+released path ids are reused, groups are forgotten least recently used, the
+cross-group trie restarts beyond a token budget, and the arena is two
+halves that take turns (see :meth:`ConsensusDrafter._rotate`): new tries
+start in the young half; once it is ``ROTATE_AT`` full, the old half is
+dropped whole (an O(1) reset, not a compaction) and becomes the young one.
+Tries in the dropped half are rebuilt from their prompt tail when next used.
 
 The bound on each structure:
 
 - per-path arrays (group, cursors): the most paths live at once, rounded up
   to a power of two. Released ids are reused, so this is the caller's
   bound: a path never released keeps its slot and its group live (the
-  proposer's row tracker holds at most the batch plus ``max_parked``);
+  proposer's row tracker holds at most the batch plus its parked paths);
 - remembered groups: ``max_group_tokens`` prompt tokens (LRU); a forgotten
   group lives on while it has live paths or its trie is in the arena;
-- the arena: about ``max_trie_nodes`` nodes (evicting down to ``EVICT_TO``
-  of it; the node array keeps its capacity, the edge table shrinks with
-  its edges), and a trie per group or cross-group trie it holds.
+- the arena: ``max_trie_nodes`` nodes (28 B each) and two edge tables (16 B
+  a slot, ``max_trie_nodes / 4`` slots in all): about 32 B a node, allocated
+  once and committed by the OS as first written; one entry per trie it
+  holds in ``_owners``.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from .forest import UNSET, SuffixForest
+from .forest import UNSET, ForestFull, SuffixForest
 
 
 @dataclass(frozen=True)
@@ -48,8 +51,7 @@ class DrafterOptions:
     prompt_tokens: int = 512        # prompt tail indexed per group
     max_group_tokens: int = 400_000  # prompt tokens of remembered groups (LRU)
     cross_group_tokens: int = 600_000  # the cross-group trie restarts beyond this
-    max_trie_nodes: int = 8_000_000  # arena size (~40 B a node) at which least-recently-used
-    #                                  groups are evicted (down to 3/4 of it)
+    max_trie_nodes: int = 8_000_000  # arena size (~32 B a node), in two halves that take turns
 
     def __post_init__(self):
         if self.max_depth < 1 or self.min_match < 1 or self.min_match > self.max_depth:
@@ -72,18 +74,21 @@ class DrafterOptions:
         return cls(**options)
 
 
-# An eviction leaves at most this fraction of max_trie_nodes. Each costs a pass
-# over the arena (~0.1-0.3 s at 8M nodes), so freeing a quarter spreads it
-# over ~2M nodes of appends (~400k tokens) while keeping most of the history.
-EVICT_TO = 0.75
+# The young half is retired (the old one dropped) once this full, so the
+# retiring half keeps a quarter for its live paths' appends.
+ROTATE_AT = 0.75
+# The old half is dropped early, live groups and all, once this full.
+OLD_FULL_AT = 0.95
 
 
 class Group:
-    __slots__ = ("prompt_tail", "size", "root", "start", "live", "used", "remembered")
+    __slots__ = ("prompt_tail", "prompt_len", "size", "root", "start", "live", "used",
+                 "remembered")
 
-    def __init__(self, prompt_tail: list[int], size: int):
+    def __init__(self, prompt_tail: list[int], prompt_len: int):
         self.prompt_tail = prompt_tail
-        self.size = size  # prompt tokens it holds (key and tail), for the LRU budget
+        self.prompt_len = prompt_len
+        self.size = prompt_len + len(prompt_tail)  # tokens held (key and tail), for the LRU
         self.root = self.start = -1  # its trie's root and prompt-tail node; -1: no trie
         self.live = 0  # paths added and not released
         self.used = 0  # drafter clock at its last add_path or release
@@ -109,13 +114,10 @@ class ConsensusDrafter:
         self._cursor = np.zeros((0, 2), np.int64)  # path -> (node in group trie, in cross trie)
         self._clock = 0  # counts add_path and release calls, for LRU order
         self._live_groups = 0  # groups with unreleased paths
-        limit = self.options.max_trie_nodes
-        self.forest = SuffixForest(self.options.max_depth, min(1 << 16, limit), soft_capacity=limit)
+        self.forest = SuffixForest(self.options.max_depth, self.options.max_trie_nodes)
         self._owners: dict[int, Group | None] = {}  # root -> its group (None: a cross-group trie)
         self._new_cross()
-        self.forest.root_sizes([self._cross_root])  # compile the eviction kernels now,
-        self.forest.compact([self._cross_root])     # not at the first eviction, hours in
-        self.evictions = 0       # compactions run
+        self.evictions = 0       # halves dropped (rotations)
         self.groups_evicted = 0  # group tries dropped (forgotten ones included)
         self.live_groups_evicted = 0  # of those, groups with unreleased paths
         self.nodes_evicted = 0
@@ -148,7 +150,7 @@ class ConsensusDrafter:
 
     @property
     def arena_bytes(self) -> int:
-        """Bytes of the forest's arrays (nodes, their roots, the edge table)."""
+        """Bytes of the forest's arrays (nodes and edge tables) at full size."""
         return self.forest.nbytes
 
     def num_nodes(self) -> int:
@@ -162,7 +164,7 @@ class ConsensusDrafter:
         if group is None:
             n = self.options.prompt_tokens
             tail = np.asarray(prompt[len(prompt) - n:] if n else prompt[:0]).tolist()
-            group = Group(tail, len(prompt) + len(tail))
+            group = Group(tail, len(prompt))
             self._groups[key] = group
             self._group_tokens += group.size
             while self._group_tokens > self.options.max_group_tokens and len(self._groups) > 1:
@@ -176,6 +178,7 @@ class ConsensusDrafter:
         path = self._free.pop()
         self._path_group[path] = group
         self._use(group, +1)
+        self._make_room(prefault=False)  # once a step is enough: the extend call does it
         self._build(group)
         # a new path really continues the prompt: it starts after the prompt tail
         self._cursor[path] = group.start, self._cross_start()
@@ -208,8 +211,15 @@ class ConsensusDrafter:
         """Like :meth:`extend`, path ``paths[i]`` taking
         ``buffer[rows[i], begins[i]:ends[i]]`` from a 2-D token array."""
         self._make_room()
-        paths = self._attached(paths)
-        self._cursor[paths] = self.forest.extend_rows(self._cursor[paths], buffer, rows, begins, ends)
+        for _ in range(3):
+            paths = self._attached(paths)
+            try:
+                self._cursor[paths] = self.forest.extend_rows(self._cursor[paths], buffer, rows,
+                                                              begins, ends)
+                return
+            except ForestFull:
+                self._rotate()
+        raise ValueError("one call appends more than half of max_trie_nodes can hold")
 
     def draft(self, paths, max_tokens):
         """Most likely continuation of each path, at most ``max_tokens[i]``
@@ -238,78 +248,97 @@ class ConsensusDrafter:
         floor = o.min_prob if min_prob is None else max(o.min_prob, min_prob)
         args = (buffer, rows, begins, ends, max_tokens,
                 o.cross_group_weight, floor, o.min_match, o.prior)
-        out = self.forest.extend_and_draft(self._cursor, paths, *args)
-        if out is None:  # some cursor is unset: attach, then go again
-            out = self.forest.extend_and_draft(self._cursor, self._attached(paths), *args)
-        return out
+        for _ in range(3):
+            try:
+                out = self.forest.extend_and_draft(self._cursor, paths, *args)
+                if out is None:  # some cursor is unset: attach, then go again
+                    out = self.forest.extend_and_draft(self._cursor, self._attached(paths), *args)
+                return out
+            except ForestFull:  # a call bigger than the margin _make_room keeps
+                self._rotate()
+        raise ValueError("one call appends more than half of max_trie_nodes can hold")
 
-    def _make_room(self) -> None:
-        """Evict tries, or restart the cross-group trie, once over budget."""
-        if self.forest.num_nodes() > self.options.max_trie_nodes:
-            self._evict()
-        elif self.forest.tokens_appended - self._cross_since > self.options.cross_group_tokens:
-            self._new_cross()  # the old trie is left as garbage for the next eviction
+    def _make_room(self, prefault: bool = True) -> None:
+        """Rotate the arena's halves, or restart the cross-group trie, once
+        over budget; checked before each call, so a call never finds the
+        arena full short of one bigger than a quarter of a half."""
+        f = self.forest
+        if prefault:
+            f.prefault()
+        if f.fill(f.young) > ROTATE_AT or f.fill(f.old) > OLD_FULL_AT:
+            self._rotate()
+        elif f.tokens_appended - self._cross_since > self.options.cross_group_tokens:
+            self._new_cross()  # the old trie stays, as garbage, until its half is dropped
             self._cursor[self._cursor[:, 1] >= 0, 1] = UNSET
 
-    def _evict(self) -> None:
-        """Drop whole tries, in one compaction of the arena, until at most
-        ``EVICT_TO`` of ``max_trie_nodes`` nodes remain: all garbage (tries
-        of forgotten groups without live paths, restarted cross-group
-        tries), then groups without live paths, least recently used first,
-        then the cross-group trie, and only then live groups, least recently
-        used first. Evicted groups are rebuilt when next used; their paths'
-        cursors become ``UNSET`` and re-attach at the root (see _attach)."""
-        roots = list(self._owners)
-        sizes = self.forest.root_sizes(roots).tolist()
-        ranks = [self._rank(root) for root in roots]
-        left = self.forest.num_nodes()
-        target = int(EVICT_TO * self.options.max_trie_nodes)
-        gone = set()
-        for i in sorted(range(len(roots)), key=ranks.__getitem__):
-            if left <= target and ranks[i][0] > 0:
-                break
-            gone.add(roots[i])
-            left -= sizes[i]
-        self.nodes_evicted += self.forest.num_nodes() - left
-        remap = self.forest.compact([r for r in roots if r not in gone])
-        owners, self._owners = self._owners, {}
-        for root, group in owners.items():
-            if root not in gone:
-                self._owners[int(remap[root])] = group
-                if group is not None:
-                    group.root, group.start = int(remap[group.root]), int(remap[group.start])
-            elif group is not None:
+    def _rotate(self) -> None:
+        """Drop the old half of the arena whole and start new tries there,
+        the cross-group trie's among them. The dropped tries were started a
+        half's worth of appends ago: garbage and idle groups, as a rule; a
+        group still live in it (a very long generation) loses its trie, and
+        its paths re-attach at the root of a new one (see _attach).
+        O(tries + paths) in Python, no pass over the nodes."""
+        f = self.forest
+        dropped = f.old
+        self.nodes_evicted += f.num_nodes(dropped)
+        f.rotate()
+        lo, hi = dropped * f.half, (dropped + 1) * f.half
+        for root in [r for r in self._owners if lo <= r < hi]:
+            group = self._owners.pop(root)
+            if group is not None:
                 group.root = group.start = -1
                 self.groups_evicted += 1
                 self.live_groups_evicted += group.live > 0
         cursor = self._cursor
-        held = cursor >= 0
-        cursor[held] = remap[cursor[held]]
-        cursor[held & (cursor < 0)] = UNSET  # its trie was dropped
+        cursor[(cursor >= lo) & (cursor < hi)] = UNSET
         self.evictions += 1
-        if self._cross_root in gone:
-            self._new_cross()
-        else:
-            self._cross_root = int(remap[self._cross_root])
+        # The cross-group trie takes every path's tokens: left in the old half
+        # it would fill it and drop that half's live groups early.
+        self._new_cross()
+        cursor[cursor[:, 1] >= 0, 1] = UNSET
 
-    def _rank(self, root: int) -> tuple[int, int]:
-        """Eviction order: (class, last use); lowest goes first."""
-        group = self._owners[root]
-        if group is None:  # a cross-group trie: garbage unless the current one
-            return (2 if root == self._cross_root else 0), 0
-        if group.live:
-            return 3, group.used
-        return (1 if group.remembered else 0), group.used
+    def drop_tries(self) -> None:
+        """Start every trie afresh (a new arena), keeping paths and their
+        groups: after a failure that may have left the tries inconsistent,
+        siblings still in flight share a group again from the next call."""
+        self.forest = SuffixForest(self.options.max_depth, self.options.max_trie_nodes)
+        for group in self._owners.values():
+            if group is not None:
+                group.root = group.start = -1
+        self._owners = {}
+        self._cursor[:] = UNSET
+        self._new_cross()
+
+    def restore(self, paths, buffer, rows, ends, max_tokens: int = 256) -> None:
+        """Re-append what paths wrote, after :meth:`drop_tries`: path
+        ``paths[i]``'s sequence is ``buffer[rows[i], :ends[i]]``, its group's
+        prompt followed by its output; at most the last ``max_tokens`` of
+        the output go in (from the trie's root if that is not all of it,
+        so no n-gram that never occurred is recorded)."""
+        paths = self._attached(paths)  # rebuilds each group's trie from its prompt tail
+        rows, ends = np.asarray(rows, np.int64), np.asarray(ends, np.int64)
+        begins = np.empty_like(ends)
+        for j, path in enumerate(paths.tolist()):
+            group = self._path_group[path]
+            begins[j] = max(group.prompt_len, int(ends[j]) - max_tokens)
+            if begins[j] == group.prompt_len:  # the whole output: it does follow the prompt
+                self._cursor[path, 0] = group.start
+        self.extend_from(paths, buffer, rows, np.minimum(begins, ends), ends)
 
     def _attached(self, paths) -> np.ndarray:
         """Checked path ids, each with a cursor into the current tries."""
         paths = np.asarray(paths, np.int64).reshape(-1)
         if paths.size and (paths.min() < 0 or paths.max() >= len(self._path_group)):
             raise ValueError("unknown path id")
-        cursor = self._cursor[paths]
-        for path in paths[(cursor[:, 0] == UNSET) | (cursor[:, 1] == UNSET)].tolist():
-            self._attach(path)
-        return paths
+        for _ in range(3):  # a rotation while attaching unsets cursors again
+            cursor = self._cursor[paths]
+            unset = paths[(cursor[:, 0] == UNSET) | (cursor[:, 1] == UNSET)].tolist()
+            rotations = self.evictions
+            for path in unset:
+                self._attach(path)
+            if rotations == self.evictions:
+                return paths
+        raise ValueError("paths keep losing their tries: max_trie_nodes is too small")
 
     def _grow(self) -> None:
         old = len(self._path_group)
@@ -321,7 +350,7 @@ class ConsensusDrafter:
         self._cursor = cursor
 
     def _new_cross(self) -> None:
-        self._cross_root, self._cross_since = self.forest.new_root(), self.forest.tokens_appended
+        self._cross_root, self._cross_since = self._new_root(), self.forest.tokens_appended
         self._owners[self._cross_root] = None
 
     def _cross_start(self) -> int:
@@ -330,10 +359,25 @@ class ConsensusDrafter:
     def _build(self, group: Group) -> None:
         """Give the group a trie holding its prompt tail, if it has none."""
         if group.root < 0:
-            group.root = self.forest.new_root()
             tail = np.asarray(group.prompt_tail, np.int32)
-            group.start = int(self.forest.extend_many([group.root], tail, [0, len(tail)])[0])
-            self._owners[group.root] = group
+            for _ in range(3):
+                root = self._new_root()
+                try:
+                    group.start = int(self.forest.extend_many([root], tail, [0, len(tail)])[0])
+                    break
+                except ForestFull:  # the empty root is garbage in its half
+                    self._rotate()
+            else:
+                raise ValueError("a prompt tail needs more than half of max_trie_nodes")
+            group.root = root
+            self._owners[root] = group
+
+    def _new_root(self) -> int:
+        try:
+            return self.forest.new_root()
+        except ForestFull:
+            self._rotate()
+            return self.forest.new_root()
 
     def _attach(self, path: int) -> None:
         """Point the path's unset cursors into the current tries. A cursor is

@@ -1,4 +1,4 @@
-"""A forest of bounded-depth suffix tries in one numba arena.
+"""A forest of bounded-depth suffix tries in one numba arena of two halves.
 
 Per trie, the semantics of :class:`~tests.reference_trie.SuffixTrie`; but every
 trie (each sibling group's, the cross-group one) is a root in shared arrays,
@@ -8,24 +8,52 @@ row would cost more than the work.
 ``_nodes`` is ``(capacity, 7)`` int32, one row per node so its fields share a
 cache line. Roots: depth 0, token -1, linked to themselves. A node's first
 child sits in its row; only later ones go to an open-addressing table of
-``(parent << 21 | token, child)`` int64 pairs (linear probing, at most half
-full): deep nodes rarely branch, so new text mostly appends rows instead of
-missing the cache on random hash slots, and the table is sized by those
-edges, not by nodes. Both grow from Python before a call that could
-overflow them, never inside one; past ``soft_capacity`` nodes the node array
-grows only by what a call needs, as the caller is expected to compact.
+``(parent << 21 | token) + 1 -> child`` int64 pairs (0: empty; linear
+probing, at most half full): deep nodes rarely branch, so new text mostly
+appends rows instead of missing the cache on random hash slots.
 
-Whole tries can be dropped (:meth:`SuffixForest.compact`): a separate int32
-array holds each node's root, so rows stay 28 bytes and drafts never read it;
-an append writes it once per new node.
+No pause, ever: the arrays are allocated once, at full size, and never grow
+or get compacted. The node array is split into two halves, each with its own
+edge table. New tries start in the *young* half; a trie, and everything
+appended to it, stays in the half it started in. :meth:`rotate` drops the
+other half whole: its nodes are simply reused and its table replaced by a
+fresh zeroed one, so dropping millions of nodes costs well under a
+millisecond. Memory is committed by the OS as pages are first written, so
+an arena that never fills never costs its full size.
 """
 
 from __future__ import annotations
+
+import mmap
 
 import numpy as np
 
 from . import trie_kernels as K
 from .trie_kernels import BEST, CNT, DEP, FIRST, LINK, TOK, TOT, UNSET  # noqa: F401  (the layout)
+
+PAGE_SLOTS = 4096 // 16  # edge-table slots in a 4 KB page
+TOKEN_LIMIT = K._TOKEN_LIMIT  # token ids must be below it
+EDGES_PER_NODE = 0.25  # table slots per node are half this (load <= 1/2)
+
+
+class ForestFull(Exception):
+    """A call needs more nodes or edges than its tries' half has left; the
+    owner rotates (:meth:`SuffixForest.rotate`) and calls again."""
+
+    def __init__(self, half: int):
+        super().__init__(f"half {half} of the trie arena is full")
+        self.half = half
+
+
+def _anonymous(shape: tuple, dtype) -> np.ndarray:
+    """A zero-filled array in its own anonymous mapping: the OS commits 4 KB
+    pages as first written and takes them back when the array is dropped.
+    Not numpy's allocator: it asks for transparent huge pages on large
+    arrays, and a huge-page fault that compacts memory stalls the writer for
+    milliseconds (every 2 MB of new nodes, measured: ~5 ms)."""
+    count = int(np.prod(shape))
+    buf = mmap.mmap(-1, max(count * np.dtype(dtype).itemsize, 1))
+    return np.frombuffer(buf, dtype, count=count).reshape(shape)
 
 
 def _as_buffer(buffer) -> np.ndarray:
@@ -35,99 +63,100 @@ def _as_buffer(buffer) -> np.ndarray:
     return buffer
 
 
-def _new_table(size: int):
-    return np.full((size, 2), -1, np.int64), 64 - (size.bit_length() - 1)
-
-
 class SuffixForest:
-    """Many suffix tries (one per root) sharing arrays and a ``max_depth``."""
+    """Many suffix tries (one per root) sharing arrays and a ``max_depth``;
+    at most ``capacity`` nodes, half of them in each half of the arena."""
 
-    def __init__(self, max_depth: int = 12, capacity: int = 1 << 16,
-                 soft_capacity: int | None = None):
-        """``soft_capacity``: node count up to which the node array grows by
-        doubling; past it, only by what a call needs (plus 1/64 of it), so an
-        owner that compacts near this size never holds twice the memory."""
+    def __init__(self, max_depth: int = 12, capacity: int = 1 << 16):
         if max_depth < 1:
             raise ValueError(f"max_depth must be >= 1, got {max_depth}")
+        if capacity < 128:
+            raise ValueError(f"capacity must be >= 128 nodes, got {capacity}")
         K.kernel.compile()
         self.max_depth = max_depth
-        self.soft_capacity = soft_capacity
-        cap = 2
-        while cap < capacity:
-            cap *= 2
-        self._nodes = np.empty((cap, 7), np.int32)
-        self._owner = np.empty(cap, np.int32)  # node -> its trie's root
-        self._table, self._shift = _new_table(max(cap // 8, 64))
-        self._state = np.zeros(2, np.int64)  # nodes, hashed edges
+        self.half = capacity // 2  # first node id of half 1
+        slots = 64
+        while slots < self.half * EDGES_PER_NODE * 2:
+            slots *= 2
+        self._slots = slots
+        self._shift = 64 - (slots.bit_length() - 1)
+        self._nodes = _anonymous((2 * self.half, 7), np.int32)
+        self._tables = [self._new_table(), self._new_table()]
+        self._faulted = [0, 0]  # per table: slots up to which its pages are written
+        self._state = np.array([[0, 0], [self.half, 0]], np.int64)  # per half: next id, edges
+        self.young = 0  # the half new tries start in
         self.tokens_appended = 0  # per sequence, by every call, ever
 
-    def _reserve(self, new_nodes: int) -> None:
-        """Room for ``new_nodes`` more nodes, each possibly a hashed edge."""
-        n, hashed = int(self._state[0]), int(self._state[1])
-        cap = len(self._nodes)
-        if n + new_nodes > cap:
-            while cap < n + new_nodes:
-                cap *= 2
-            soft = self.soft_capacity
-            if soft is not None and cap > soft:
-                cap = max(soft, n + new_nodes + soft // 64)
-            nodes = np.empty((cap, 7), np.int32)  # the kernel writes every field of a new node
-            nodes[:n] = self._nodes[:n]
-            owner = np.empty(cap, np.int32)
-            owner[:n] = self._owner[:n]
-            self._nodes, self._owner = nodes, owner
-        size = len(self._table)
-        if 2 * (hashed + new_nodes) > size:  # keep the table at most half full
-            while 2 * (hashed + new_nodes) > size:
-                size *= 2
-            table, shift = _new_table(size)
-            K._rehash(self._table, table, shift)
-            self._table, self._shift = table, shift
+    def _new_table(self) -> np.ndarray:
+        return _anonymous((self._slots, 2), np.int64)
 
-    def num_nodes(self) -> int:
-        return int(self._state[0])
+    @property
+    def old(self) -> int:
+        return 1 - self.young
+
+    def num_nodes(self, half: int | None = None) -> int:
+        """Nodes in use, in ``half`` or in both."""
+        if half is None:
+            return self.num_nodes(0) + self.num_nodes(1)
+        return int(self._state[half, 0]) - half * self.half
+
+    def fill(self, half: int) -> float:
+        """Share of ``half``'s nodes or edges in use, whichever is higher."""
+        return max(self.num_nodes(half) / self.half, 2 * int(self._state[half, 1]) / self._slots)
+
+    def half_of(self, nodes) -> np.ndarray:
+        """0 or 1 per node id (ids must be >= 0)."""
+        return (np.asarray(nodes) >= self.half).astype(np.int64)
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the node arrays and the edge table."""
-        return self._nodes.nbytes + self._owner.nbytes + self._table.nbytes
+        """Bytes of the node array and both edge tables, at full size: the
+        bound on what the forest can hold (touched pages are what it does)."""
+        return self._nodes.nbytes + sum(t.nbytes for t in self._tables)
+
+    def rotate(self) -> int:
+        """Drop every trie in the old half and make it the young one; returns
+        its index. Node ids in it are reused: ids held outside must be
+        forgotten by the caller."""
+        h = self.old
+        self._state[h] = h * self.half, 0
+        self._tables[h] = self._new_table()
+        self._faulted[h] = 0
+        self.young = h
+        return h
+
+    def prefault(self, pages: int = 64) -> None:
+        """Write the next ``pages`` untouched pages of the young half's edge
+        table, so the OS commits them now rather than one fault per random
+        insert in the steps after a rotation (a few ms a step with many new
+        groups)."""
+        h, start = self.young, self._faulted[self.young]
+        if start < self._slots:
+            step = PAGE_SLOTS
+            end = min(start + pages * step, self._slots)
+            self._tables[h][start:end:step, 1] = 0
+            self._faulted[h] = end
 
     def root_sizes(self, roots) -> np.ndarray:
-        """Nodes in each trie rooted at ``roots`` (what dropping it frees)."""
-        return K._root_sizes(self._owner, self.num_nodes(), self._roots(roots))
-
-    def compact(self, keep_roots) -> np.ndarray:
-        """Drop every trie whose root is not in ``keep_roots``; keep the others
-        unchanged but renumbered. Returns the old -> new node id map (int32,
-        -1 for dropped nodes) to renumber ids held outside. The node array
-        keeps its capacity; the table shrinks if now over 8x its edges."""
-        keep = np.zeros(self.num_nodes(), np.bool_)
-        keep[self._roots(keep_roots)] = True
-        remap, edges = K._compact(self._nodes, self._owner, self._table, self._state, keep)
-        size = len(self._table)
-        while size > 64 and 8 * len(edges) <= size:  # the half would stay <= 1/4 full
-            size //= 2
-        if size == len(self._table):
-            self._table.fill(-1)
-        else:
-            self._table, self._shift = _new_table(size)
-        K._rehash(edges, self._table, self._shift)
-        return remap
+        """Nodes in each trie rooted at ``roots`` (slow: for tests and reports)."""
+        return K._root_sizes(self._nodes, self._state, self.half, self._roots(roots))
 
     def _roots(self, roots) -> np.ndarray:
         roots = np.asarray(roots, np.int64).reshape(-1)
-        if roots.size and (roots.min() < 0 or roots.max() >= self.num_nodes()
-                           or (self._nodes[roots, K.DEP] != 0).any()):
-            raise ValueError("not a root of this forest")
+        for r in roots.tolist():
+            h = int(r >= self.half)
+            if not (h * self.half <= r < self._state[h, 0]) or self._nodes[r, DEP] != 0:
+                raise ValueError("not a root of this forest")
         return roots
 
     def new_root(self) -> int:
-        """Root of a new, empty trie."""
-        self._reserve(1)
-        r = int(self._state[0])
+        """Root of a new, empty trie, in the young half."""
+        h = self.young
+        r = int(self._state[h, 0])
+        if r + 1 > (h + 1) * self.half:
+            raise ForestFull(h)
         self._nodes[r] = (-1, 0, 0, 0, -1, r, -1)
-        self._owner[r] = r
-        self._state[0] += 1
+        self._state[h, 0] += 1
         return r
 
     def extend_many(self, nodes, tokens, offsets) -> np.ndarray:
@@ -146,7 +175,8 @@ class SuffixForest:
         """Append ``buffer[rows[i], begins[i]:ends[i]]`` to each of the
         sequences whose longest-suffix nodes are ``nodes[i, :]`` (an (R, S)
         array: S tries take the same tokens; -1 is no sequence); returns
-        their new nodes.
+        their new nodes. Raises :class:`ForestFull`, changing nothing, if a
+        half could run out of room.
 
         ``buffer`` is any 2-D integer token array, such as vLLM's token
         buffer, so no per-row lists are built.
@@ -155,8 +185,7 @@ class SuffixForest:
         rows, begins, ends = (np.asarray(a, np.int64) for a in (rows, begins, ends))
         if nodes.ndim != 2 or not len(nodes) == len(rows) == len(begins) == len(ends):
             raise ValueError("need nodes (R, S) and rows, begins, ends of length R")
-        args = (nodes, _as_buffer(buffer), rows, begins, ends)
-        out, _ = self._with_room(K._extend, args, nodes.shape[1])
+        out, _ = self._run(K._extend, (nodes, _as_buffer(buffer), rows, begins, ends))
         return out
 
     def extend_and_draft(self, cursors, ids, buffer, rows, begins, ends, max_tokens,
@@ -179,19 +208,17 @@ class SuffixForest:
             raise ValueError("cursors must be a (P, 2) int64 array")
         args = (cursors, ids, _as_buffer(buffer), rows, begins, ends, max_tokens,
                 float(weight_b), float(min_prob), int(min_match), float(prior))
-        out, err = self._with_room(K._extend_draft, args, cursors.shape[1])
+        out, err = self._run(K._extend_draft, args)
         return None if err == K._STALE else out
 
-    def _with_room(self, extend_kernel, args, width: int):
-        """Run a kernel that extends sequences (``width`` tries each), growing
-        the arrays and running it again when it reports they are too small;
-        returns (its outputs, 0 or ``K._STALE``) and raises on bad input."""
-        while True:
-            *out, err, total = extend_kernel(self._nodes, self._owner, self._table, self._shift,
-                                             self._state, self.max_depth, *args)
-            if err != K._FULL:
-                break
-            self._reserve(total * width * self.max_depth)
+    def _run(self, extend_kernel, args):
+        """Run a kernel that extends sequences; returns (its outputs, 0 or
+        ``K._STALE``) and raises on bad input or a full half."""
+        t0, t1 = self._tables
+        *out, err, total, full = extend_kernel(self._nodes, t0, t1, self._shift, self.half,
+                                               self._state, self.max_depth, *args)
+        if err == K._FULL:
+            raise ForestFull(int(full))
         if err == K._BAD_TOKEN:
             raise ValueError(f"token ids must be in [0, {K._TOKEN_LIMIT})")
         if err == K._BAD_INPUT:
@@ -213,8 +240,9 @@ class SuffixForest:
         max_tokens = np.asarray(max_tokens, np.int32)
         if not nodes_a.shape == nodes_b.shape == max_tokens.shape or nodes_a.ndim != 1:
             raise ValueError("nodes_a, nodes_b and max_tokens must be equal-length 1-D")
+        t0, t1 = self._tables
         toks, probs, lens, err = K._draft(
-            self._nodes, self._table, self._shift, self.num_nodes(), self.max_depth,
+            self._nodes, t0, t1, self._shift, self.half, self._state, self.max_depth,
             nodes_a, nodes_b, float(weight_b), max_tokens, int(k), float(min_prob),
             int(min_match), float(prior))
         if err:
@@ -229,9 +257,12 @@ class SuffixForest:
         return int(self._nodes[node, K.CNT])
 
     def root(self, node: int) -> int:
-        """Root of the trie ``node`` belongs to."""
-        return int(self._owner[node])
+        """Root of the trie ``node`` belongs to (up the suffix links)."""
+        while self._nodes[node, K.DEP] > 0:
+            node = int(self._nodes[node, K.LINK])
+        return int(node)
 
     def child(self, node: int, token: int) -> int:
         """Child of ``node`` along ``token``, or -1."""
-        return int(K._child(self._nodes, self._table, self._shift, int(node), int(token)))
+        t0, t1 = self._tables
+        return int(K._child(self._nodes, t0, t1, self._shift, self.half, int(node), int(token)))

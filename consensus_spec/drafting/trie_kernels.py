@@ -1,5 +1,5 @@
 """Compiled kernels of :class:`~consensus_spec.drafting.forest.SuffixForest`:
-appending, drafting and compaction over the shared node arena (layout in the
+appending and drafting over the shared node arena (layout in the
 forest module's docstring). Python calls them through this module's
 attributes, which :meth:`Kernels.compile` swaps for their compiled versions."""
 
@@ -23,42 +23,34 @@ kernel = Kernels(globals())
 
 @kernel
 def _probe(table, shift, key):
-    """Slot holding ``key``, or the empty slot where it would go."""
+    """Slot holding stored ``key`` (> 0), or the empty slot (0) where it would go."""
     mask = table.shape[0] - 1
     i = np.int64((np.uint64(key) * _FIB) >> np.uint64(shift))
-    while table[i, 0] != key and table[i, 0] >= 0:
+    while table[i, 0] != key and table[i, 0] != 0:
         i = (i + 1) & mask
     return i
 
 
 @kernel
-def _rehash(old, new, shift):
-    for i in range(old.shape[0]):
-        if old[i, 0] >= 0:
-            s = _probe(new, shift, old[i, 0])
-            new[s, 0] = old[i, 0]
-            new[s, 1] = old[i, 1]
-
-
-@kernel
-def _child(nodes, table, shift, node, tok):
+def _child(nodes, t0, t1, shift, half, node, tok):
     """``node``'s child along ``tok``, or -1."""
     f = nodes[node, FIRST]
     if f < 0 or nodes[f, TOK] == tok:
         return np.int64(f)
     if nodes[node, TOT] == nodes[f, CNT]:  # the first child is the only one
         return -1
-    key = (np.int64(node) << _TOKEN_BITS) | tok
+    key = ((np.int64(node) << _TOKEN_BITS) | tok) + 1  # stored + 1: 0 marks an empty slot
+    table = t0 if node < half else t1
     s = _probe(table, shift, key)
     return table[s, 1] if table[s, 0] == key else -1
 
 
 @kernel
-def _step(nodes, table, shift, max_depth, node, tok):
+def _step(nodes, t0, t1, shift, half, max_depth, node, tok):
     """Longest suffix of (node's string + tok) present in node's trie."""
     while True:
         if nodes[node, DEP] < max_depth:
-            c = _child(nodes, table, shift, node, tok)
+            c = _child(nodes, t0, t1, shift, half, node, tok)
             if c >= 0:
                 return c
         if nodes[node, DEP] == 0:
@@ -77,10 +69,12 @@ def _top(nodes, node, min_depth):
 
 
 @kernel
-def _append(nodes, owner, table, shift, state, max_depth, node, buf, row, begin, end):
-    """Append ``buf[row, begin:end]`` to the sequence at ``node``; its new node."""
-    n_nodes, n_hashed = state[0], state[1]
-    root = owner[node]  # every node this creates is in node's trie
+def _append(nodes, t0, t1, shift, half, state, max_depth, node, buf, row, begin, end):
+    """Append ``buf[row, begin:end]`` to the sequence at ``node``; its new node.
+    New nodes and hashed edges go to node's half, as its whole trie does."""
+    h = 0 if node < half else 1
+    table = t0 if h == 0 else t1
+    n_nodes, n_hashed = state[h, 0], state[h, 1]
     for j in range(begin, end):
         tok = buf[row, j]
         deepest = -1
@@ -92,7 +86,7 @@ def _append(nodes, owner, table, shift, state, max_depth, node, buf, row, begin,
                 if found:  # below an existing node, its suffix links are the
                     c = np.int64(nodes[prev, LINK])  # children: no lookup
                 else:
-                    c = _child(nodes, table, shift, n, tok)
+                    c = _child(nodes, t0, t1, shift, half, n, tok)
                     found = c >= 0
                 if not found:
                     c = n_nodes
@@ -100,14 +94,13 @@ def _append(nodes, owner, table, shift, state, max_depth, node, buf, row, begin,
                     nodes[c, TOK], nodes[c, DEP] = tok, nodes[n, DEP] + 1
                     nodes[c, CNT], nodes[c, TOT] = 0, 0
                     nodes[c, BEST], nodes[c, FIRST] = -1, -1
-                    owner[c] = root
                     if nodes[n, FIRST] < 0:
                         nodes[n, FIRST] = c
                     else:
-                        key = (np.int64(n) << _TOKEN_BITS) | tok
-                        h = _probe(table, shift, key)
-                        table[h, 0] = key
-                        table[h, 1] = c
+                        key = ((np.int64(n) << _TOKEN_BITS) | tok) + 1
+                        s = _probe(table, shift, key)
+                        table[s, 0] = key
+                        table[s, 1] = c
                         n_hashed += 1
                 nodes[c, CNT] += 1
                 nodes[n, TOT] += 1
@@ -124,18 +117,24 @@ def _append(nodes, owner, table, shift, state, max_depth, node, buf, row, begin,
             n = nodes[n, LINK]
         nodes[prev, LINK] = n  # the depth-1 node links to its own root
         node = deepest
-    state[0], state[1] = n_nodes, n_hashed
+    state[h, 0], state[h, 1] = n_nodes, n_hashed
     return node
 
 
 @kernel
-def _check_ranges(n_nodes, starts, buf, rows, begins, ends):
+def _valid(state, half, node):
+    """``node`` is -1 or a node in use (in either half)."""
+    return node == -1 or 0 <= node < state[0, 0] or half <= node < state[1, 0]
+
+
+@kernel
+def _check_ranges(state, half, starts, buf, rows, begins, ends):
     """0, or why the input is bad (checked before anything changes)."""
     for i in range(starts.shape[0]):
         if not (0 <= rows[i] < buf.shape[0] and 0 <= begins[i] <= ends[i] <= buf.shape[1]):
             return _BAD_INPUT
         for s in range(starts.shape[1]):
-            if starts[i, s] < -1 or starts[i, s] >= n_nodes:
+            if not _valid(state, half, starts[i, s]):
                 return _BAD_INPUT
         for j in range(begins[i], ends[i]):
             if buf[rows[i], j] < 0 or buf[rows[i], j] >= _TOKEN_LIMIT:
@@ -144,30 +143,35 @@ def _check_ranges(n_nodes, starts, buf, rows, begins, ends):
 
 
 @kernel
-def _extend(nodes, owner, table, shift, state, max_depth, starts, buf, rows, begins, ends):
+def _extend(nodes, t0, t1, shift, half, state, max_depth, starts, buf, rows, begins, ends):
     """Append ``buf[rows[i], begins[i]:ends[i]]`` to each sequence ``starts[i, s]``
-    (-1: none). Returns (new nodes, error or 0, tokens per sequence); on
-    ``_FULL`` nothing changed and the arrays need room for that many tokens."""
+    (-1: none). Returns (new nodes, error or 0, tokens per sequence, half
+    lacking room or -1); on ``_FULL`` nothing changed."""
     out = starts.copy()
-    err = _check_ranges(state[0], starts, buf, rows, begins, ends)
+    err = _check_ranges(state, half, starts, buf, rows, begins, ends)
     if err:
-        return out, err, 0
+        return out, err, 0, -1
     total = 0
+    need = np.zeros(2, np.int64)  # worst case: max_depth new nodes (and edges) a token
     for i in range(starts.shape[0]):
         total += ends[i] - begins[i]
-    need = total * starts.shape[1] * max_depth
-    if state[0] + need > nodes.shape[0] or 2 * (state[1] + need) > table.shape[0]:
-        return out, _FULL, total
+        for s in range(starts.shape[1]):
+            if starts[i, s] >= 0:
+                need[0 if starts[i, s] < half else 1] += (ends[i] - begins[i]) * max_depth
+    for h in range(2):
+        if (state[h, 0] + need[h] > (h + 1) * half
+                or 2 * (state[h, 1] + need[h]) > t0.shape[0]):
+            return out, _FULL, total, h
     for i in range(starts.shape[0]):
         for s in range(starts.shape[1]):
             if starts[i, s] >= 0:
-                out[i, s] = _append(nodes, owner, table, shift, state, max_depth, starts[i, s],
+                out[i, s] = _append(nodes, t0, t1, shift, half, state, max_depth, starts[i, s],
                                     buf, rows[i], begins[i], ends[i])
-    return out, 0, total
+    return out, 0, total, -1
 
 
 @kernel
-def _draft_row(nodes, table, shift, max_depth, a, b, weight_b, max_tokens,
+def _draft_row(nodes, t0, t1, shift, half, max_depth, a, b, weight_b, max_tokens,
                min_prob, min_match, prior, toks, probs):
     """Joint greedy walk from ``a`` (weight 1) and ``b``; the draft's length."""
     if weight_b <= 0:
@@ -200,32 +204,32 @@ def _draft_row(nodes, table, shift, max_depth, a, b, weight_b, max_tokens,
         n += 1
         if from_b:
             b = child
-            a = _step(nodes, table, shift, max_depth, a, tok) if a >= 0 else a
+            a = _step(nodes, t0, t1, shift, half, max_depth, a, tok) if a >= 0 else a
         else:
             a = child
-            b = _step(nodes, table, shift, max_depth, b, tok) if b >= 0 else b
+            b = _step(nodes, t0, t1, shift, half, max_depth, b, tok) if b >= 0 else b
     return n
 
 
 @kernel
-def _draft(nodes, table, shift, n_nodes, max_depth, nodes_a, nodes_b, weight_b,
+def _draft(nodes, t0, t1, shift, half, state, max_depth, nodes_a, nodes_b, weight_b,
            max_tokens, k, min_prob, min_match, prior):
     rows = nodes_a.shape[0]
     toks = np.zeros((rows, k), np.int32)
     probs = np.zeros((rows, k), np.float64)
     lens = np.zeros(rows, np.int32)
     for i in range(rows):
-        if not (-1 <= nodes_a[i] < n_nodes and -1 <= nodes_b[i] < n_nodes):
+        if not (_valid(state, half, nodes_a[i]) and _valid(state, half, nodes_b[i])):
             return toks, probs, lens, _BAD_INPUT
     for i in range(rows):
-        lens[i] = _draft_row(nodes, table, shift, max_depth, nodes_a[i], nodes_b[i], weight_b,
-                             min(max_tokens[i], k), min_prob, min_match, prior,
+        lens[i] = _draft_row(nodes, t0, t1, shift, half, max_depth, nodes_a[i], nodes_b[i],
+                             weight_b, min(max_tokens[i], k), min_prob, min_match, prior,
                              toks[i], probs[i])
     return toks, probs, lens, 0
 
 
 @kernel
-def _extend_draft(nodes, owner, table, shift, state, max_depth, cursors, ids, buf, rows, begins,
+def _extend_draft(nodes, t0, t1, shift, half, state, max_depth, cursors, ids, buf, rows, begins,
                   ends, max_tokens, weight_b, min_prob, min_match, prior):
     m = ids.shape[0]
     k = 0
@@ -236,67 +240,39 @@ def _extend_draft(nodes, owner, table, shift, state, max_depth, cursors, ids, bu
     lens = np.zeros(m, np.int32)
     for i in range(m):
         if not 0 <= ids[i] < cursors.shape[0]:
-            return toks, probs, lens, _BAD_INPUT, 0
+            return toks, probs, lens, _BAD_INPUT, 0, -1
         if cursors[ids[i], 0] < 0 or cursors[ids[i], 1] < -1:
-            return toks, probs, lens, _STALE, 0
+            return toks, probs, lens, _STALE, 0, -1
     starts = np.empty((m, cursors.shape[1]), np.int64)
     for i in range(m):
         starts[i] = cursors[ids[i]]
     # every row's tokens go in before any row drafts
-    out, err, total = _extend(nodes, owner, table, shift, state, max_depth, starts, buf, rows,
-                              begins, ends)
+    out, err, total, full = _extend(nodes, t0, t1, shift, half, state, max_depth, starts, buf,
+                                    rows, begins, ends)
     if err:
-        return toks, probs, lens, err, total
+        return toks, probs, lens, err, total, full
     for i in range(m):
         cursors[ids[i]] = out[i]
     for i in range(m):
         c = cursors[ids[i]]
-        lens[i] = _draft_row(nodes, table, shift, max_depth, c[0], c[1], weight_b,
+        lens[i] = _draft_row(nodes, t0, t1, shift, half, max_depth, c[0], c[1], weight_b,
                              min(max_tokens[i], k), min_prob, min_match, prior, toks[i], probs[i])
-    return toks, probs, lens, 0, total
+    return toks, probs, lens, 0, total, -1
 
 
 @kernel
-def _root_sizes(owner, n_nodes, roots):
-    """Nodes in each of the tries rooted at ``roots``."""
-    index = np.full(n_nodes, -1, np.int32)
-    index[roots] = np.arange(roots.shape[0], dtype=np.int32)
+def _root_sizes(nodes, state, half, roots):
+    """Nodes in each of the tries rooted at ``roots`` (a walk up the suffix
+    links from every node: for tests and reports, not the hot path)."""
+    index = np.full(2 * half, -1, np.int32)
+    for r in range(roots.shape[0]):
+        index[roots[r]] = r
     sizes = np.zeros(roots.shape[0], np.int64)
-    for i in range(n_nodes):
-        if index[owner[i]] >= 0:
-            sizes[index[owner[i]]] += 1
+    for h in range(2):
+        for i in range(h * half, state[h, 0]):
+            n = i
+            while nodes[n, DEP] > 0:
+                n = nodes[n, LINK]
+            if index[n] >= 0:
+                sizes[index[n]] += 1
     return sizes
-
-
-@kernel
-def _compact(nodes, owner, table, state, keep):
-    """Keep the nodes whose root is marked in ``keep`` (by node id), moved
-    down in order (in place: a new id is never above the old one), with
-    their ids renumbered; returns the old -> new map (-1: dropped) and the
-    kept hashed edges, renumbered, for a cleared table. A trie's links and
-    children stay inside it, and its root comes first, so all are mapped."""
-    remap = np.empty(state[0], np.int32)
-    m = 0
-    for i in range(state[0]):
-        remap[i] = -1
-        if keep[owner[i]]:
-            remap[i] = m
-            for c in range(nodes.shape[1]):  # rows below i are already read
-                nodes[m, c] = nodes[i, c]
-            owner[m] = remap[owner[i]]
-            m += 1
-    for j in range(m):
-        for c in (BEST, LINK, FIRST):
-            if nodes[j, c] >= 0:
-                nodes[j, c] = remap[nodes[j, c]]
-    edges = np.empty((state[1], 2), np.int64)
-    e = 0
-    for s in range(table.shape[0]):
-        parent = table[s, 0] >> _TOKEN_BITS
-        if table[s, 0] >= 0 and remap[parent] >= 0:
-            tok = table[s, 0] & (_TOKEN_LIMIT - 1)
-            edges[e, 0] = (np.int64(remap[parent]) << _TOKEN_BITS) | tok
-            edges[e, 1] = remap[table[s, 1]]
-            e += 1
-    state[0], state[1] = m, e
-    return remap, edges[:e]

@@ -30,6 +30,7 @@ import numpy as np
 
 from ..budget import AUTO, DraftBudget, cost_model
 from ..drafting.drafter import ConsensusDrafter
+from ..drafting.forest import TOKEN_LIMIT
 from .options import options_from_vllm, parse_options
 from .rows import RowTracker
 
@@ -63,6 +64,8 @@ class ConsensusProposer:
         self.num_accepted = 0  # of those, accepted by the verifier
         self.num_failures = 0  # steps that raised (and drafted nothing)
         self.num_resets = 0    # times the drafting state was rebuilt after a failure
+        self.num_regroups = 0  # of those, tries rebuilt with paths kept in their groups
+        self._tracked = False  # this call's row tracking finished
         self.disabled = False  # switched off after max_failures failing steps in a row
         self._failing = 0      # failing steps in a row
         self._logged: set[str] = set()  # exception types already logged with a traceback
@@ -83,7 +86,7 @@ class ConsensusProposer:
         if learned is not None and self.budget is not None:
             self.budget.costs = learned
         self.rows = RowTracker(self.drafter.add_path, self.drafter.release,
-                               max_parked=64 + 4 * self._max_num_seqs)
+                               max_parked=64 + 4 * self._max_num_seqs, token_limit=TOKEN_LIMIT)
         self._sent = None  # (rows, paths, estimates, lengths) of the drafts last sent
         self._last_end = None  # clock at the end of the last propose call
         self._last_call_s = 0.0  # that call's own time
@@ -123,6 +126,7 @@ class ConsensusProposer:
         if not self.disabled:
             try:
                 start = self.clock()
+                self._tracked = False
                 drafts = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, start)
                 self._failing = 0
                 self._last_end = end = self.clock()
@@ -130,13 +134,18 @@ class ConsensusProposer:
                 return drafts
             except Exception as error:  # noqa: BLE001 - never take the engine down
                 self._last_end = None
-                self._contain(error)
+                self._contain(error, token_ids_cpu)
         try:
             return [[] for _ in range(len(sampled_token_ids))]
         except Exception:  # noqa: BLE001 - not even a length: vLLM is broken already
             return []
 
-    def _contain(self, error: Exception) -> None:
+    def _contain(self, error: Exception, token_ids_cpu) -> None:
+        """Log a failed step and recover: a first failure after row tracking
+        finished keeps the tracker and regroups every row in flight with its
+        siblings in fresh tries (:meth:`_regroup`); a second in a row, or one
+        in the tracker itself, rebuilds everything; ``max_failures`` in a row
+        switch drafting off."""
         self.num_failures += 1
         self._failing += 1
         kind = type(error).__name__
@@ -150,13 +159,31 @@ class ConsensusProposer:
             logger.error("consensus_spec: %d drafting steps failed in a row; drafting is off "
                          "for this engine's life (outputs are unaffected)", self._failing)
             return
+        self.num_resets += 1
+        if self._failing == 1 and self._tracked:
+            try:
+                self._regroup(token_ids_cpu)
+                self.num_regroups += 1
+                return
+            except Exception:  # noqa: BLE001 - fall back to rebuilding everything
+                logger.warning("consensus_spec: regrouping after the failure failed; "
+                               "rebuilding all drafting state", exc_info=True)
         try:
             self._reset()
-            self.num_resets += 1
         except Exception:  # noqa: BLE001 - cannot even rebuild: stop drafting
             self.disabled = True
             logger.error("consensus_spec: drafting state could not be rebuilt; drafting is off",
                          exc_info=True)
+
+    def _regroup(self, token_ids_cpu) -> None:
+        """Fresh tries for every path, the same paths in the same groups: each
+        row in flight gets its recent output (the row tracker says which
+        path and how far) re-appended from vLLM's token buffer."""
+        self._sent = None
+        self.drafter.drop_tries()
+        rows, paths, ends = self.rows.holding()
+        if len(rows):
+            self.drafter.restore(paths, np.asarray(token_ids_cpu), rows, ends)
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
                  start: float | None = None) -> list[list[int]]:
@@ -164,6 +191,7 @@ class ConsensusProposer:
         rows = self.rows
         before = (rows.paths_started, rows.paths_resumed, rows.tokens_missed, rows.rows_rejected)
         step = rows.update(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        self._tracked = True  # a failure from here on leaves the row tracker consistent
         drafts: list[list[int]] = [[] for _ in range(num_rows)]
         if not len(step.rows):
             self._sent = None
@@ -234,6 +262,7 @@ class ConsensusProposer:
         return {
             "num_drafted": self.num_drafted, "num_accepted": self.num_accepted,
             "num_failures": self.num_failures, "num_resets": self.num_resets,
+            "num_regroups": self.num_regroups,
             "disabled": self.disabled, "paths_started": rows.paths_started,
             "paths_resumed": rows.paths_resumed, "paths_moved": rows.paths_moved,
             "tokens_missed": rows.tokens_missed, "rows_rejected": rows.rows_rejected,

@@ -33,9 +33,12 @@ And hash collisions, about 2**-64 per comparison (the mixing step is not a
 plain polynomial, so no known token pattern forces one).
 
 Inputs are checked before any token is read (numba does no bounds checks):
-shapes that don't fit raise ``ValueError``; a row whose token count or end
-doesn't fit the buffer sits the step out and its path is freed, to be
-resumed once the row makes sense again (``rows_rejected`` counts these).
+shapes that don't fit raise ``ValueError``; a row whose sampled entry is
+not a list, whose token count or end doesn't fit the buffer, or whose
+tokens the drafter would read include an id outside ``[0, token_limit)``
+sits the step out alone and its path is freed, to be resumed once the row
+makes sense again (``rows_rejected`` counts these). Other rows, its
+siblings included, go on as if it were not there.
 One compiled call per step matches every row; only parking, resuming and
 new paths run in Python.
 
@@ -136,7 +139,16 @@ def _shadowed(token_ids, i, free, lens, tail, hashes, lagged):
 
 
 @kernel
-def _match(counts, ends, token_ids, lens, tail, hashes, path, state, window):
+def _in_range(token_ids, i, begin, end, limit):
+    """Row i's tokens in [begin, end) are ids in [0, limit)."""
+    for t in range(begin, end):
+        if token_ids[i, t] < 0 or token_ids[i, t] >= limit:
+            return False
+    return True
+
+
+@kernel
+def _match(counts, ends, token_ids, lens, tail, hashes, path, state, window, token_limit):
     """Find each row's path; rows with new tokens come back as (row, path,
     begin, end, contiguous), path -1 where no row's former path fits (then
     ``window[row, d]`` is the hash of the row's first ``begin - d`` tokens),
@@ -150,23 +162,31 @@ def _match(counts, ends, token_ids, lens, tail, hashes, path, state, window):
         if i >= num_rows:
             free[i] = old_path[i] >= 0
             path[i], lens[i] = -1, -1
-        elif counts[i] <= 0:
+        elif counts[i] == 0:
             state[i] = _IDLE
-        elif ends[i] > width or ends[i] < counts[i]:  # garbage: sit the step out, start clean
+        elif counts[i] < 0 or ends[i] > width or ends[i] < counts[i] or not _in_range(
+                token_ids, i, ends[i] - counts[i], ends[i], token_limit):
+            # garbage: this row alone sits the step out and starts clean
             state[i], counts[i] = _IDLE, 0
             free[i] = old_path[i] >= 0
             path[i], lens[i] = -1, -1
             rejected += 1
         else:
-            live += 1
             base = ends[i] - counts[i]
             if base == old_lens[i] and _continues(token_ids, i, base, old_tail[i]):
                 state[i] = _EXACT
+            elif not _in_range(token_ids, i, 0, base, token_limit):  # all of it is read
+                state[i], counts[i] = _IDLE, 0
+                free[i] = old_path[i] >= 0
+                path[i], lens[i] = -1, -1
+                rejected += 1
+                continue
             else:
                 state[i] = _OTHER
                 free[i] = old_path[i] >= 0
                 if 0 < old_lens[i] < base and _continues(token_ids, i, old_lens[i], old_tail[i]):
                     lagged = True  # this row caught up, so moved paths may have advanced too
+            live += 1
     candidates = pending = np.flatnonzero(free)
     while pending.shape[0]:  # exact rows a free path may have moved into; O(length) each
         demoted = np.zeros(path.shape[0], np.bool_)
@@ -245,6 +265,14 @@ def _accepted(rows, paths, sent, path, state, counts):
     return accepted
 
 
+def _length(sampled) -> int:
+    """Tokens sampled for a row; -1 (a rejected row) if it is not a list."""
+    try:
+        return len(sampled)
+    except TypeError:
+        return -1
+
+
 def _integers(a: np.ndarray) -> bool:
     """Integers numba mixes with int64 as integers (uint64 would become float)."""
     return a.dtype.kind == "i" or (a.dtype.kind == "u" and a.dtype.itemsize < 8)
@@ -268,9 +296,11 @@ class RowTracker:
     paths with one same (length, hash), i.e. identical token sequences."""
 
     def __init__(self, start_path: Callable, release_path: Callable | None = None,
-                 max_parked: int = 4096, max_per_key: int = _MAX_PER_KEY):
-        if max_parked < 0 or max_per_key < 1:
-            raise ValueError("need max_parked >= 0 and max_per_key >= 1")
+                 max_parked: int = 4096, max_per_key: int = _MAX_PER_KEY,
+                 token_limit: int = 1 << 62):
+        if max_parked < 0 or max_per_key < 1 or token_limit < 1:
+            raise ValueError("need max_parked >= 0, max_per_key >= 1 and token_limit >= 1")
+        self._token_limit = token_limit  # ids at or above it (or < 0) make a row garbage
         kernel.compile()
         self._start_path = start_path      # prompt tokens -> new path id
         self._release_path = release_path  # path id -> None, once it is forgotten
@@ -327,8 +357,8 @@ class RowTracker:
                              f"got {token_ids.dtype} {token_ids.shape}")
         try:
             counts = np.fromiter(map(len, sampled_token_ids), np.int64, num_rows)
-        except TypeError as e:
-            raise ValueError("sampled_token_ids: need a list of token lists") from e
+        except TypeError:  # an entry that is not a list: that row alone sits out
+            counts = np.fromiter((_length(s) for s in sampled_token_ids), np.int64, num_rows)
         ends = ends[:num_rows]
         if ends.dtype.kind != "i":  # [] is float
             ends = ends.astype(np.int64)
@@ -336,7 +366,7 @@ class RowTracker:
         self._counts = counts
         *step, gone, gone_lens, gone_hashes, moved, missed, unresolved, rejected = _match(
             counts, ends, token_ids, self._lens, self._tail, self._hash, self._path,
-            self._state, self._window)
+            self._state, self._window, self._token_limit)
         step = RowUpdate(*step)
         self.paths_moved += moved
         self.tokens_missed += missed
@@ -347,6 +377,12 @@ class RowTracker:
         if unresolved:
             self._settle(step, token_ids)
         return step
+
+    def holding(self):
+        """(rows, paths, lengths) of the rows holding a path after the last
+        update: where each path's whole sequence is in the token buffer."""
+        rows = np.flatnonzero((self._path >= 0) & (self._lens > 0))
+        return rows, self._path[rows].copy(), self._lens[rows].copy()
 
     def accepted(self, rows, paths, sent) -> np.ndarray:
         """For drafts sent last step (``sent[j]`` tokens to ``paths[j]`` in
