@@ -3,10 +3,10 @@ import os
 
 import pytest
 
-from evals.drafters import make_drafter
-from evals.projection import StepCosts
-from evals.replay import replay
-from evals.replay_bench import main as replay_main
+from evals.replay.drafters import make_drafter
+from evals.replay.projection import StepCosts
+from evals.replay.engine import replay
+from evals.replay.replay import main as replay_main
 from evals.traces import Problem, TraceError, TraceTokenizer, load_problems, load_tokenizer
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
@@ -202,7 +202,7 @@ def test_bad_recorded_files_name_the_line(tmp_path):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_record_writes_traces_that_resume_and_replay(tmp_path, monkeypatch, capsys):
-    from evals import record
+    from evals.math import record
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as the CLI runs on CPU
     out = tmp_path / "rec.jsonl"

@@ -19,15 +19,9 @@ from consensus_spec.sampling.stopping import (  # noqa: E402
     tally,
 )
 from consensus_spec.voting.vote import majority_vote  # noqa: E402
-from evals.stopping import (  # noqa: E402
-    VoteTrace,
-    checkpoints,
-    evaluate,
-    load_vote_traces,
-    parse_waves,
-    replay_order,
-)
-from evals.stopping import main as stopping_main  # noqa: E402
+from evals.adaptive.stop_rules import checkpoints, evaluate, parse_waves, replay_order  # noqa: E402
+from evals.adaptive.stop_rules import main as stopping_main  # noqa: E402
+from evals.adaptive.vote_traces import VoteTrace, load_vote_traces  # noqa: E402
 
 
 
@@ -244,9 +238,9 @@ def test_recorded_traces_end_to_end(tmp_path):
 # --- the sequential rule: a guarantee over all looks ------------------------
 
 from consensus_spec.sampling.stopping import sequential_boundary  # noqa: E402
-from evals.stopping import program_answer  # noqa: E402
-from evals.stopping_cv import choose_default, loso, meets, pick  # noqa: E402
-from evals.stopping_cv import plot as tradeoff_plot  # noqa: E402
+from evals.adaptive.vote_traces import program_answer  # noqa: E402
+from evals.adaptive.stop_rules_cv import choose_default, loso, meets, pick  # noqa: E402
+from evals.adaptive.stop_rules_cv import plot as tradeoff_plot  # noqa: E402
 
 
 def partitions(n, largest=None):

@@ -10,8 +10,8 @@ import pytest
 
 from consensus_spec.sampling.stopping import StopRule
 from consensus_spec.sampling.waves import Schedule
-from evals import waves_replay
-from evals.projection import HostTime, StepCosts, run_ms
+from evals.adaptive import waves as waves_replay
+from evals.replay.projection import HostTime, StepCosts, run_ms
 from evals.traces import Problem
 from tests.test_replay import STEP_COSTS, TRACES
 
