@@ -1,4 +1,4 @@
-"""The device-route replay (evals/device_route.py): sibling tokens reach the
+"""The device-route replay (evals/replay/device_route.py): sibling tokens reach the
 tries exactly ``lag`` calls late, the row's own context is current, and every
 draft is exactly K tokens (or none at K = 0)."""
 

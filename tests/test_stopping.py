@@ -1,10 +1,12 @@
-"""Adaptive stopping rules (consensus_spec.sampling.stopping) and their replay eval (evals.stopping)."""
+"""Adaptive stopping rules (consensus_spec.sampling.stopping) and their replay eval (`python -m evals stop-rules`)."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -20,7 +22,6 @@ from consensus_spec.sampling.stopping import (  # noqa: E402
 )
 from consensus_spec.voting.vote import majority_vote  # noqa: E402
 from evals.adaptive.stop_rules import checkpoints, evaluate, parse_waves, replay_order  # noqa: E402
-from evals.adaptive.stop_rules import main as stopping_main  # noqa: E402
 from evals.adaptive.vote_traces import VoteTrace, load_vote_traces  # noqa: E402
 
 
@@ -224,7 +225,10 @@ def test_recorded_traces_end_to_end(tmp_path):
         path.write_text("".join(lines[i::3]))
         paths.append(str(path))
     out = tmp_path / "stopping.json"
-    assert stopping_main(["--traces", *paths, "--perms", "2", "--out", str(out)]) == 0
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-m", "evals", "stop-rules", "--traces", *paths, "--perms", "2",
+                          "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
     data = json.loads(out.read_text())
     assert set(data["sets"]) == {"set_a", "set_b", "set_c"} and not data["skipped"]
     for s in data["sets"].values():
