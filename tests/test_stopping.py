@@ -147,7 +147,7 @@ def test_describe_and_default():
     assert StopRule(kind="window", window=5).describe() == "window(5)"
     assert StopRule(kind="beta", error=0.05, min_samples=3).describe() == "beta(error=0.05, min=3)"
     assert StopRule(kind="margin", margin=2, min_samples=2).describe() == "margin(margin=2, min=2)"
-    assert StopRule().kind == "sequential"  # chosen by leave-one-set-out in `python -m evals stopping`
+    assert StopRule().kind == "sequential"  # chosen by leave-one-set-out in `python -m evals stop-rules`
     assert StopRule(kind="sequential", error=0.05).describe() == "sequential(error=0.05, min=3)"
 
 
