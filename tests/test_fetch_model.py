@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from evals import fetch_model as fm
+from evals.measure import fetch_model as fm
 
 NAME = "smollm2-135m"
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -33,11 +33,6 @@ def hide_module(monkeypatch, hidden: str):
 
 def no_build(*_args, **_kwargs):
     raise AssertionError("must not build")
-
-
-def test_command_registered():
-    from evals.__main__ import COMMANDS
-    assert COMMANDS["fetch-model"][0] == "evals.fetch_model"
 
 
 def test_unknown_name_lists_known(capsys):

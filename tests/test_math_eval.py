@@ -10,18 +10,18 @@ from types import SimpleNamespace
 import math_verify  # noqa: F401 - declared dependency: answers are graded with it
 import pytest
 
-from evals import math_eval  # noqa: E402
-from evals.datasets import (  # noqa: E402
+from evals.math import configs, llm, math as math_eval  # noqa: E402
+from evals.math.datasets import (  # noqa: E402
     HUB,
     DatasetError,
     MathProblem,
     gold_answer,
     load_problems,
 )
-from evals.prompts import MATH_INSTRUCTION, build_prompt  # noqa: E402
+from evals.math.prompts import MATH_INSTRUCTION, build_prompt  # noqa: E402
 from consensus_spec.sampling.stopping import StopRule  # noqa: E402
 from consensus_spec.sampling.waves import Schedule  # noqa: E402
-from evals import math_report  # noqa: E402
+from evals.math import report as math_report  # noqa: E402
 
 
 def write_jsonl(path, rows):
@@ -102,18 +102,10 @@ def test_model_dir_without_config_and_missing_embedded_model(tmp_path, small_jso
 
 
 def test_hub_ids_are_passed_through(fake_model):
-    assert math_eval.resolve_model("Qwen/Qwen2.5-1.5B-Instruct") == "Qwen/Qwen2.5-1.5B-Instruct"
-    assert math_eval.resolve_model(fake_model) == fake_model
-    with pytest.raises(math_eval.UsageError):
-        math_eval.resolve_model("./not/here")
-
-
-def test_help_and_command_registered(capsys):
-    assert math_eval.main(["--help"]) == 0
-    assert "--methods" in capsys.readouterr().out
-    from evals.__main__ import COMMANDS, main
-    assert COMMANDS["math"][0] == "evals.math_eval"
-    assert main([]) == 0 and "math" in capsys.readouterr().out
+    assert llm.resolve_model("Qwen/Qwen2.5-1.5B-Instruct") == "Qwen/Qwen2.5-1.5B-Instruct"
+    assert llm.resolve_model(fake_model) == fake_model
+    with pytest.raises(configs.UsageError):
+        llm.resolve_model("./not/here")
 
 
 def test_parse_args_normalises_lists(small_jsonl):
@@ -125,13 +117,13 @@ def test_parse_args_normalises_lists(small_jsonl):
     assert args.early_stop == [StopRule()]
     assert [s.waves for s in args.waves] == [("rest",), (1, "rest")]
     assert math_eval.parse_args([]).early_stop == [None]
-    assert math_eval.parse_early_stop(["off", "decided", "2", "on", "predictive:0.1", "window:5",
+    assert configs.parse_early_stop(["off", "decided", "2", "on", "predictive:0.1", "window:5",
                                        "margin:4", "beta"]) == [
         None, StopRule(kind="decided"), StopRule(kind="margin", margin=2, min_samples=1),
         StopRule(), StopRule(kind="predictive", error=0.1), StopRule(kind="window", window=5),
         StopRule(kind="margin", margin=4), StopRule(kind="beta")]
-    assert math_eval.parse_waves(None) == ["auto"]
-    parsed = math_eval.parse_waves(["auto", "all", "1,2,4,rest", "4", "4+no-fill"])
+    assert configs.parse_waves(None) == ["auto"]
+    parsed = configs.parse_waves(["auto", "all", "1,2,4,rest", "4", "4+no-fill"])
     assert parsed[0] == "auto"
     assert [(s.waves, s.fill_idle) for s in parsed[1:]] == [
         (("rest",), True), ((1, 2, 4, "rest"), True), ((4,), True), ((4,), False)]
@@ -143,7 +135,7 @@ def test_configs_pair_plain_and_adaptive_runs():
         (16, Schedule(waves=("rest",)), None), (16, Schedule(), StopRule())]
     args = math_eval.parse_args(["--n", "8", "16", "--waves", "auto", "2,rest", "--early-stop",
                                  "off", "decided", "--check", "path", "--capacity", "64"])
-    got = [(n, s.describe(), s.capacity, math_eval.early_stop_label(r)) for n, s, r in args.configs]
+    got = [(n, s.describe(), s.capacity, configs.early_stop_label(r)) for n, s, r in args.configs]
     assert got == [(n, w, 64, e) for n in (8, 16) for w, e in (
         ("all", "off"), ("2+path-check", "decided"), ("2,rest", "off"),
         ("2,rest+path-check", "decided"))]
@@ -154,15 +146,15 @@ def test_configs_pair_plain_and_adaptive_runs():
 
 def test_spec_configs(small_jsonl):
     args = math_eval.parse_args(["--k", "5", "--ngram-lookup", "2", "4", "--option", "min_prob=0.3"])
-    assert math_eval.spec_config("none", args) is None
-    assert math_eval.spec_config("ngram", args) == {
+    assert llm.spec_config("none", args) is None
+    assert llm.spec_config("ngram", args) == {
         "method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    assert math_eval.spec_config("suffix", args) == {"method": "suffix", "num_speculative_tokens": 5}
-    cfg = math_eval.spec_config("consensus", args)
+    assert llm.spec_config("suffix", args) == {"method": "suffix", "num_speculative_tokens": 5}
+    cfg = llm.spec_config("consensus", args)
     assert cfg == {"method": "custom_class", "model": "consensus_spec.ConsensusProposer",
                    "num_speculative_tokens": 5}
-    assert math_eval.engine_options("consensus", args) == {"consensus_spec": {"min_prob": 0.3}}
-    assert math_eval.engine_options("ngram", args) == {}
+    assert llm.engine_options("consensus", args) == {"consensus_spec": {"min_prob": 0.3}}
+    assert llm.engine_options("ngram", args) == {}
 
 
 # ---------------------------------------------------------------------------
@@ -257,10 +249,10 @@ SHARED_LAYOUTS = {
 
 @pytest.mark.parametrize("name", ["gsm8k", "math500", "aime2024"])
 def test_shared_sets(name, tmp_path, monkeypatch):
-    import evals.datasets
+    import evals.math.datasets
 
     write_jsonl(tmp_path / HUB[name][0], SHARED_LAYOUTS[name] * 2)
-    monkeypatch.setattr(evals.datasets, "SHARED_MATH", str(tmp_path))
+    monkeypatch.setattr(evals.math.datasets, "SHARED_MATH", str(tmp_path))
     probs = load_problems(name, limit=5)
     assert len(probs) == 5 and all(p.question and p.gold for p in probs)
     if name == "gsm8k":
@@ -321,7 +313,7 @@ def test_score_pass1_and_majority():
     probs = [MathProblem("0", "q", "0.5"), MathProblem("1", "q", "3")]
     run = [fake_result([r"\frac{1}{2}", "0.5", "2", None], r"\frac{1}{2}"),
            fake_result(["4", "4"], "4")]
-    acc = math_eval.score(run, probs)
+    acc = math_report.score(run, probs)
     assert acc["pass_at_1"] == pytest.approx((2 / 4 + 0) / 2)
     assert acc["maj_at_n"] == 0.5
     assert acc["per_problem"][0]["correct"] and not acc["per_problem"][1]["correct"]
@@ -438,7 +430,7 @@ def test_cli_end_to_end_on_tiny_llama(tmp_path, small_jsonl, capsys, monkeypatch
 
 
 def test_waves_simulation_on_plain_samples(tmp_path, capsys):
-    from evals import waves_sim
+    from evals.adaptive import waves_sim
     rng = __import__("random").Random(0)
     per_problem = []
     for i in range(12):

@@ -1,12 +1,13 @@
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
-from evals.drafters import make_drafter
-from evals.projection import StepCosts
-from evals.replay import replay
-from evals.replay_bench import main as replay_main
+from evals.replay.drafters import make_drafter
+from evals.replay.projection import StepCosts
+from evals.replay.engine import replay
 from evals.traces import Problem, TraceError, TraceTokenizer, load_problems, load_tokenizer
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
@@ -17,6 +18,13 @@ TRACES = os.path.join(FIXTURES, "embedded_n8.jsonl")
 # COST_MODELS["h200_7b"].step_ms at B 1..128, q 1..17, rounded (the budget's own H200 model,
 # standing in for ../shared/data/costs; tests/test_budget.py says how it was made)
 STEP_COSTS = os.path.join(FIXTURES, "step_costs.jsonl")
+
+
+def run_evals(*args, timeout=300):
+    """``python -m evals ARGS`` from the repository root, as a user runs it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-m", "evals", *args], cwd=root, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 class CharTokenizer:
@@ -101,13 +109,13 @@ def test_bad_trace_files_give_clear_errors_or_skips(tmp_path):
     assert any("fewer than 2" in m for m in messages) and any("invalid JSON" in m for m in messages)
 
 
-def test_cli_reports_errors_without_traceback(tmp_path, capsys):
+def test_cli_reports_errors_without_traceback(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    code = replay_main(["--traces", str(empty), "--methods", "consensus", "--costs", STEP_COSTS,
-                        "--host-time", "none", "--out", str(tmp_path / "r")])
-    assert code == 2
-    assert "no replayable problems" in capsys.readouterr().err
+    out = run_evals("replay", "--traces", str(empty), "--methods", "consensus", "--costs", STEP_COSTS,
+                    "--host-time", "none", "--out", str(tmp_path / "r"))
+    assert out.returncode == 2
+    assert "no replayable problems" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_projection_matches_the_formula():
@@ -121,10 +129,10 @@ def test_projection_matches_the_formula():
 
 
 def test_recorded_traces_consensus_beats_no_drafting(tmp_path):
-    code = replay_main(["--traces", TRACES, "--limit", "3", "--methods", "none", "consensus",
-                        "--scouts", "0", "--batches", "16", "--schedules", "fixed",
-                        "--costs", STEP_COSTS, "--host-time", "none", "--out", str(tmp_path / "r")])
-    assert code == 0
+    out = run_evals("replay", "--traces", TRACES, "--limit", "3", "--methods", "none", "consensus",
+                    "--scouts", "0", "--batches", "16", "--schedules", "fixed",
+                    "--costs", STEP_COSTS, "--host-time", "none", "--out", str(tmp_path / "r"))
+    assert out.returncode == 0, out.stderr
     results = json.loads((tmp_path / "r.json").read_text())["results"]
     tau = {r["method"]: r["tau"] for r in results}
     speedup = {r["method"]: r["speedup"] for r in results}
@@ -202,7 +210,7 @@ def test_bad_recorded_files_name_the_line(tmp_path):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_record_writes_traces_that_resume_and_replay(tmp_path, monkeypatch, capsys):
-    from evals import record
+    from evals.math import record
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as the CLI runs on CPU
     out = tmp_path / "rec.jsonl"

@@ -4,12 +4,13 @@ import arctic_inference  # noqa: F401 - declared (evals extra): the suffix basel
 import pytest
 import vllm  # noqa: F401 - declared (cpu extra): the ngram baseline needs it
 
-from evals.drafters import make_drafter, schedule_lookup
-from evals.host_time import summarize
-from evals.projection import HostTime, StepCosts, break_even_host_ms
-from evals.replay import replay
-from evals.replay_bench import main as replay_main
-from evals.replay_bench import pick_schedule, schedule_from_ks, targets
+from evals.replay.drafters import make_drafter, schedule_lookup
+from evals.measure.host_time import summarize
+from evals.replay.projection import HostTime, StepCosts, break_even_host_ms
+from evals.replay.engine import replay
+from evals.replay.replay import main as replay_main
+from evals.replay.bench import pick_schedule, schedule_from_ks
+from evals.replay.report import targets
 from evals.traces import Problem
 from tests.test_replay import STEP_COSTS, TRACES, synthetic_problems
 

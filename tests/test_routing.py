@@ -170,7 +170,7 @@ def _problems(num, n):
 
 
 def test_replay_routes_siblings():
-    from evals.dp_replay import route
+    from evals.replay.dp_replay import route
     problems = _problems(12, 8)
     rr = route(problems, 8, "round_robin")
     assert all(len(p.completions) == 1 for share in rr for p in share)  # n = D: one sibling each
@@ -188,9 +188,9 @@ def test_replay_routes_siblings():
 
 def test_replay_dp_pinned_equals_separate_engines():
     """A pinned engine is exactly one engine replaying its own problems."""
-    from evals.dp_replay import replay_dp, route
-    from evals.drafters import make_drafter
-    from evals.replay import replay
+    from evals.replay.dp_replay import replay_dp, route
+    from evals.replay.drafters import make_drafter
+    from evals.replay.engine import replay
     problems = _problems(10, 6)
     got = replay_dp(problems, "consensus", 4, 8, 2, "pinned", 40, {"cost_model": "off"})
     tokens = steps = 0

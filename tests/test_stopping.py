@@ -1,10 +1,12 @@
-"""Adaptive stopping rules (consensus_spec.sampling.stopping) and their replay eval (evals.stopping)."""
+"""Adaptive stopping rules (consensus_spec.sampling.stopping) and their replay eval (`python -m evals stop-rules`)."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -19,15 +21,8 @@ from consensus_spec.sampling.stopping import (  # noqa: E402
     tally,
 )
 from consensus_spec.voting.vote import majority_vote  # noqa: E402
-from evals.stopping import (  # noqa: E402
-    VoteTrace,
-    checkpoints,
-    evaluate,
-    load_vote_traces,
-    parse_waves,
-    replay_order,
-)
-from evals.stopping import main as stopping_main  # noqa: E402
+from evals.adaptive.stop_rules import checkpoints, evaluate, parse_waves, replay_order  # noqa: E402
+from evals.adaptive.vote_traces import VoteTrace, load_vote_traces  # noqa: E402
 
 
 
@@ -152,7 +147,7 @@ def test_describe_and_default():
     assert StopRule(kind="window", window=5).describe() == "window(5)"
     assert StopRule(kind="beta", error=0.05, min_samples=3).describe() == "beta(error=0.05, min=3)"
     assert StopRule(kind="margin", margin=2, min_samples=2).describe() == "margin(margin=2, min=2)"
-    assert StopRule().kind == "sequential"  # chosen by leave-one-set-out in `python -m evals stopping`
+    assert StopRule().kind == "sequential"  # chosen by leave-one-set-out in `python -m evals stop-rules`
     assert StopRule(kind="sequential", error=0.05).describe() == "sequential(error=0.05, min=3)"
 
 
@@ -230,7 +225,10 @@ def test_recorded_traces_end_to_end(tmp_path):
         path.write_text("".join(lines[i::3]))
         paths.append(str(path))
     out = tmp_path / "stopping.json"
-    assert stopping_main(["--traces", *paths, "--perms", "2", "--out", str(out)]) == 0
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-m", "evals", "stop-rules", "--traces", *paths, "--perms", "2",
+                          "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
     data = json.loads(out.read_text())
     assert set(data["sets"]) == {"set_a", "set_b", "set_c"} and not data["skipped"]
     for s in data["sets"].values():
@@ -244,9 +242,9 @@ def test_recorded_traces_end_to_end(tmp_path):
 # --- the sequential rule: a guarantee over all looks ------------------------
 
 from consensus_spec.sampling.stopping import sequential_boundary  # noqa: E402
-from evals.stopping import program_answer  # noqa: E402
-from evals.stopping_cv import choose_default, loso, meets, pick  # noqa: E402
-from evals.stopping_cv import plot as tradeoff_plot  # noqa: E402
+from evals.adaptive.vote_traces import program_answer  # noqa: E402
+from evals.adaptive.stop_rules_cv import choose_default, loso, meets, pick  # noqa: E402
+from evals.adaptive.stop_rules_cv import plot as tradeoff_plot  # noqa: E402
 
 
 def partitions(n, largest=None):

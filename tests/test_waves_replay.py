@@ -1,17 +1,20 @@
-"""The waves replay (evals.waves_replay): paths enter as the planner releases
+"""The waves replay (`python -m evals waves`, evals/adaptive/waves.py): paths enter as the planner releases
 them, aborted paths leave with their tokens counted, and the projection sums
 each replayed step at its own batch size."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
 
 from consensus_spec.sampling.stopping import StopRule
 from consensus_spec.sampling.waves import Schedule
-from evals import waves_replay
-from evals.projection import HostTime, StepCosts, run_ms
+from evals.adaptive import waves as waves_replay
+from evals.replay.projection import HostTime, StepCosts, run_ms
 from evals.traces import Problem
 from tests.test_replay import STEP_COSTS, TRACES
 
@@ -87,14 +90,17 @@ def test_run_ms_sums_steps_at_their_own_batch_sizes():
     assert run_ms(costs, [8], [0], drafter_ms=[1], host=host) == pytest.approx(18 + 1 + 30)
 
 
-def test_command_on_recorded_traces(tmp_path, capsys):
+def test_command_on_recorded_traces(tmp_path):
     """The recorded fixture (tests/fixtures/embedded_n8.jsonl): its token ids are
     replayed and its texts counted without loading a tokenizer."""
     out = tmp_path / "w"
-    assert waves_replay.main(["--traces", TRACES, "--limit", "8", "--orders", "1", "--rows", "16",
-                              "--costs", STEP_COSTS, "--host-time", "none",
-                              "--early-stop", "on", "decided", "--out", str(out)]) == 0
-    text = capsys.readouterr().out
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-m", "evals", "waves", "--traces", TRACES, "--limit", "8",
+                          "--orders", "1", "--rows", "16", "--costs", STEP_COSTS, "--host-time", "none",
+                          "--early-stop", "on", "decided", "--out", str(out)],
+                         cwd=root, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    text = run.stdout
     assert "all at once | none" in text and "waves 2, sequential" in text and "waves 2, decided" in text
     assert (tmp_path / "w.json").exists() and (tmp_path / "w.md").exists()
     assert (tmp_path / "w.png").exists()

@@ -1,7 +1,7 @@
 """The embedded default model: location and tokenizer construction.
 
 The model in ``consensus_spec/model`` is a tiny Llama trained by
-``python -m evals.train_embedded`` on :mod:`consensus_spec.model.synthetic`.
+``python -m consensus_spec.model.train`` on :mod:`consensus_spec.model.synthetic`.
 Its tokenizer is a byte-level BPE with every digit its own token; the
 tokenizer adds BOS to each encoded text, and generation stops at EOS.
 Prompts use :func:`consensus_spec.model.synthetic.format_prompt`.

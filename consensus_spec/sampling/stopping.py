@@ -4,7 +4,7 @@ A problem samples up to N paths; after some have finished, :func:`should_stop`
 says whether the vote is settled enough to cancel the rest.  Answers are
 grouped into equivalence classes by :func:`consensus_spec.voting.vote.cluster_answers`
 and the rules then work on class ids (:func:`should_stop_ids`), which is also
-the fast path the replay evaluation uses (``python -m evals stopping``).
+the fast path the replay evaluation uses (``python -m evals stop-rules``).
 
 Rules (``StopRule.kind``); every rule also stops when the vote is *decided*:
 
@@ -93,7 +93,7 @@ class StopRule:
     by likelihood, where agreement falls to 96-97% on svamp.
 
     The default was chosen by leave-one-set-out cross-validation in
-    ``python -m evals stopping`` (tune on two trace sets, report on the
+    ``python -m evals stop-rules`` (tune on two trace sets, report on the
     third, rotate): the cheapest rule with a guarantee over looks whose
     agreement with the full-N vote is >= 99.5% (>= 99% in the worst of 20
     path orders) on the tuning sets; every fold picked error 0.2.  See

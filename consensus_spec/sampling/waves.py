@@ -56,7 +56,7 @@ class Schedule:
     than 4 votes out of 16 (4 of 4 agreeing is its first stop), but more
     check points save tokens on contested problems, and idle fill removes
     the serial tail that made small waves slow.  Measured with the default
-    rule: ``python -m evals.waves_sim`` on a 200-problem n=16 plain run of the
+    rule: ``python -m evals waves-sim`` on a 200-problem n=16 plain run of the
     embedded model (5 path orders, CPU step-cost model, capacity 256): waves
     of 2 use 71% of the plain run's tokens and an estimated 71% of its wall
     time (waves of 4: 74% / 74%; ``(3, 4)`` 78%; ``(1, 2, 4, rest)`` 83%;

@@ -1,6 +1,6 @@
 """Data-parallel replay: what splitting siblings across engines costs drafting.
 
-    python -m evals.dp_replay [--traces FILE ...] [--dp 1 2 8] [--rows 64]
+    python -m evals dp-replay [--traces FILE ...] [--dp 1 2 8] [--rows 64]
                               [--methods consensus suffix] [--limit N] [--option KEY=VALUE]
 
 Every problem's N recorded paths are routed to D engines, each engine being
@@ -31,9 +31,9 @@ from dataclasses import replace
 from consensus_spec.sampling.routing import data_parallel_rank
 
 from .drafters import make_drafter
-from .replay import replay
-from .cli import parse_options, write_results
-from .traces import Problem, TraceError, load_problems, load_tokenizer, shared_path
+from .engine import replay
+from ..options import parse_options, write_results
+from ..traces import Problem, TraceError, load_problems, load_tokenizer, shared_path
 
 DEFAULT_TRACES = ("gsm8k_qwen3_4b_n8.jsonl", "addsub_codex002_n40.jsonl", "svamp_pot_codex002_n30.jsonl")
 ROUTINGS = ("round_robin", "pinned")
@@ -86,7 +86,7 @@ def replay_dp(problems: list[Problem], method: str, k: int, rows: int, dp: int, 
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m evals.dp_replay",
+    ap = argparse.ArgumentParser(prog="python -m evals dp-replay",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--traces", nargs="+", help="trace files (default: the shared traces)")
     ap.add_argument("--methods", nargs="+", default=["consensus", "suffix"],

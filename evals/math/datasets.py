@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 from consensus_spec.voting.answers import extract_answer, normalize_answer
 
-SHARED_MATH = os.path.normpath(os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data", "math"))
+from ..traces import shared_path
+
+SHARED_MATH = shared_path("math")
 
 # name -> (shared file, hub id, hub config, hub split)
 HUB = {

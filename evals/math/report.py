@@ -1,6 +1,6 @@
 """Comparisons, tables and plots of ``python -m evals math``.
 
-Rows are dicts made by :func:`evals.math_eval.make_row`.  A *plain* row runs
+Rows are dicts made by :func:`evals.math.runs.make_row`.  A *plain* row runs
 all n paths at once without early stop (waves ``all``, early stop ``off``);
 the other rows of the same method and n are compared with it: tokens, the
 full-n answer agreement, and a replay of their stop rule on the plain run's
@@ -135,7 +135,7 @@ def answer_classes(plain: dict) -> list[tuple[list, list[int], list[bool]]]:
     cached on the row (clustering calls math-verify)."""
     cached = plain.get("_classes")
     if cached is None:
-        from evals.stopping import gold_classes
+        from ..adaptive.vote_traces import gold_classes
         cached = []
         for p in plain["per_problem"]:
             ids, correct = gold_classes(p["answers"], p["gold"])
@@ -149,7 +149,7 @@ def replay(plain: dict, wave_sizes: list[int], rule, check: str = "wave") -> dic
     order: all paths ran at once), checked after the waves ``wave_sizes`` (or
     every path with ``check="path"``).  Returns the share of tokens used,
     agreement with the plain run's own full-n vote, and maj accuracy."""
-    from evals.stopping import prefix_tallies, replay_order
+    from ..adaptive.stop_rules import prefix_tallies, replay_order
 
     used_tok = full_tok = agree = correct = 0
     problems = answer_classes(plain)
@@ -178,7 +178,7 @@ def tradeoff(rows: list[dict], rules: Iterable[str] = TRADEOFF_RULES) -> list[di
     every plain row: the tokens-vs-agreement curve."""
     from consensus_spec.sampling.waves import Schedule
 
-    from .math_configs import parse_early_stop
+    from .configs import parse_early_stop
 
     waves = {r["waves"] for r in rows if not is_plain(r) and r["waves"] != "all"} or {"default"}
     out = []

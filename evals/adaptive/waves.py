@@ -3,7 +3,7 @@
     python -m evals waves [--traces FILE ...] [--rows 64] [--waves 2] [--fill on|off|both]
                           [--early-stop on decided ...] [--orders 3] [--limit N]
 
-Each trace set runs four ways through the replay (:mod:`evals.replay`), the
+Each trace set runs four ways through the replay (:mod:`evals.replay.engine`), the
 engine's batch capped at ``--rows`` paths (vLLM's ``max_num_seqs``):
 
 - plain self-consistency (all N paths of a problem at once), no drafting:
@@ -37,13 +37,13 @@ import time
 from collections import deque
 from dataclasses import replace
 
-from .cli import parse_options, write_results
-from .drafters import make_drafter
-from .projection import run_ms
-from .replay import replay
-from .replay_bench import CpuTimed, DEFAULT_HOST_TIME, load_tables
-from .stopping import SKIP, load_vote_traces
-from .traces import Problem, TraceError, load_problems, load_tokenizer, shared_path
+from ..options import parse_options, write_results
+from ..replay.drafters import make_drafter
+from ..replay.projection import run_ms
+from ..replay.engine import replay
+from ..replay.bench import CpuTimed, DEFAULT_HOST_TIME, load_tables
+from .vote_traces import SKIP, load_vote_traces
+from ..traces import Problem, TraceError, load_problems, load_tokenizer, shared_path
 
 DEFAULT_TRACES = ("gsm8k_qwen3_4b_n8.jsonl", "addsub_codex002_n40.jsonl")
 METHODS = ("none", "consensus")
@@ -157,7 +157,7 @@ def project(row: dict, costs, host) -> None:
 
 
 def parse_args(argv=None):
-    from .math_configs import UsageError, parse_early_stop
+    from ..math.configs import UsageError, parse_early_stop
 
     ap = argparse.ArgumentParser(prog="python -m evals waves", description=__doc__.split("\n\n")[0])
     ap.add_argument("--traces", nargs="+", help="trace files (default: gsm8k and addsub)")
@@ -279,7 +279,7 @@ def plot(rows: list[dict], path: str) -> bool:
     vote, one colour per schedule x rule, circles without drafting and
     squares with consensus drafting (mean over path orders, bars down to the
     worst order)."""
-    from .math_report import _pyplot, save_figure
+    from ..math.report import _pyplot, save_figure
 
     _, plt = _pyplot()
     if plt is None:

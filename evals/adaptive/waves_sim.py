@@ -1,6 +1,6 @@
 """Simulate wave schedules and stop rules on a plain run's samples.
 
-    python -m evals.waves_sim RESULTS.json [--waves 4,4,rest 1,2,4,rest ...]
+    python -m evals waves-sim RESULTS.json [--waves 4,4,rest 1,2,4,rest ...]
                               [--rules on decided ...] [--capacity 256] [--perms 5]
 
 Takes the plain rows (all n at once, no early stop) of a ``python -m evals
@@ -74,7 +74,7 @@ def simulate(problems, schedule, rule, cost) -> dict:
 def load(path: str):
     from consensus_spec.sampling.stopping import tally
 
-    from .math_report import answer_classes
+    from ..math.report import answer_classes
 
     with open(path) as f:
         data = json.load(f)
@@ -95,9 +95,9 @@ def main(argv=None) -> int:
     from consensus_spec.sampling.stopping import tally
     from consensus_spec.sampling.waves import Schedule
 
-    from .math_configs import parse_early_stop
+    from ..math.configs import parse_early_stop
 
-    ap = argparse.ArgumentParser(prog="python -m evals.waves_sim", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m evals waves-sim", description=__doc__.split("\n\n")[0])
     ap.add_argument("results", help="JSON written by python -m evals math (with a plain row)")
     ap.add_argument("--waves", nargs="+", default=["1,2,4,rest", "2,2,4,rest", "3,4,rest", "4,rest",
                                                     "4,4,rest", "4,2,2,rest", "4,4,4,rest", "4"])

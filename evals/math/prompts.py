@@ -55,7 +55,7 @@ def _adds_bos(tokenizer) -> bool:
 
 
 def build_prompt(problem, tokenizer=None) -> str:
-    """Prompt text for one :class:`evals.datasets.MathProblem`."""
+    """Prompt text for one :class:`evals.math.datasets.MathProblem`."""
     if problem.kind == "synthetic":
         return format_prompt(problem.question)
     if tokenizer is not None and has_chat_template(tokenizer):

@@ -1,4 +1,4 @@
-"""Choosing a stop rule across trace sets for ``python -m evals stopping``:
+"""Choosing a stop rule across trace sets for ``python -m evals stop-rules``:
 targets, leave-one-set-out cross-validation, tables and the trade-off plot.
 
 Every figure here is over *random path orders* (``--perms`` seeded orders per

@@ -1,7 +1,7 @@
 """First-request latency of the proposer with and without warm-up at construction.
 
-    python -m evals.warmup [--rows 64] [--repeats 3]
-    python -m evals.warmup --compile-only    # fill numba's cache (.ci/setup runs it)
+    python -m evals warmup [--rows 64] [--repeats 3]
+    python -m evals warmup --compile-only    # fill numba's cache (.ci/setup runs it)
 
 Each case runs in a fresh process (so nothing is compiled or imported yet),
 with numba's on-disk cache either empty ("cold": a new install) or filled
@@ -25,7 +25,7 @@ import numpy as np
 
 def _one(rows: int, warmup: bool) -> dict:
     from consensus_spec import ConsensusProposer
-    from evals.drafters import stand_in_config
+    from evals.replay.drafters import stand_in_config
 
     t0 = time.perf_counter()
     p = ConsensusProposer(stand_in_config(8, 512, rows), warmup=warmup)
@@ -47,7 +47,7 @@ def _one(rows: int, warmup: bool) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m evals.warmup", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m evals warmup", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--child", choices=["on", "off"], help=argparse.SUPPRESS)
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
             with tempfile.TemporaryDirectory() as cache:
                 env = {**os.environ, "NUMBA_CACHE_DIR": cache}
                 for state in ("cold", "warm"):  # the second run finds the first run's cache
-                    out = subprocess.run([sys.executable, "-m", "evals.warmup", "--child", warm,
+                    out = subprocess.run([sys.executable, "-m", "evals", "warmup", "--child", warm,
                                           "--rows", str(args.rows)], cwd=root, env=env,
                                          capture_output=True, text=True, check=True)
                     r = json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,10 +1,10 @@
 """Replay adaptive stopping rules for self-consistency on recorded traces.
 
-    python -m evals stopping [--traces FILE ...] [--limit N] [--perms 20]
+    python -m evals stop-rules [--traces FILE ...] [--limit N] [--perms 20]
                              [--waves 2] [--out results/stopping.json] [--plot PNG]
 
 Each problem's recorded completions are answered with ``extract_answer``
-(program-of-thought sets, ``*_pot_*``: :func:`program_answer`, which folds the
+(program-of-thought sets, ``*_pot_*``: :func:`~evals.adaptive.vote_traces.program_answer`, which folds the
 arithmetic statically and never runs the program) and clustered once
 (``cluster_answers``); samples are then fed to a rule in recorded order, in
 ``--perms`` seeded random orders and shortest-first (the order paths finish
@@ -14,148 +14,26 @@ consumed sample counts all its tokens (GPT-2 BPE + EOS, as in
 waves of 2, as the default ``Schedule``; ``--waves 1``: after every path), and
 every sample of a started wave counts.  Prints a markdown table per set and
 rule (realized disagreement beside the nominal error), leave-one-set-out
-tables (:mod:`evals.stopping_cv`), writes them next to a JSON file of all
+tables (:mod:`evals.adaptive.stop_rules_cv`), writes them next to a JSON file of all
 figures, and names the default rule the cross-validation supports.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import json
-import operator
 import os
 import random
 import time
-from dataclasses import dataclass
-from fractions import Fraction
 
-from consensus_spec.voting.answers import answers_equal, extract_answer
 from consensus_spec.sampling.stopping import StopRule, should_stop_ids
-from consensus_spec.voting.vote import cluster_answers
 
-from .stopping_cv import GUARANTEED, choose_default, loso, markdown, pct, plot, summary
-from .traces import load_tokenizer, shared_path
+from ..traces import load_tokenizer, shared_path
+from .stop_rules_cv import GUARANTEED, choose_default, loso, markdown, pct, plot, summary
+from .vote_traces import VoteTrace, load_vote_traces
 
 DEFAULT_TRACES = ("gsm8k_qwen3_4b_n8.jsonl", "addsub_codex002_n40.jsonl", "svamp_pot_codex002_n30.jsonl")
-SKIP: dict[str, str] = {}  # none: program-of-thought answers are folded statically (program_answer)
 HARD_SHARE = 0.6  # full-N winner share below this marks a hard problem
-MAX_PROGRAM_CHARS, MAX_MAGNITUDE = 4000, 10 ** 30
-_FOLD_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-             ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
-
-
-@dataclass
-class VoteTrace:
-    """One problem: class id and token count per completion, in recorded order."""
-
-    id: str
-    ids: list[int | None]
-    tokens: list[int]
-    correct: list[bool] | None = None  # per class id: equals the gold answer
-
-    @property
-    def share(self) -> float:
-        votes = [i for i in self.ids if i is not None]
-        return max(votes.count(i) for i in set(votes)) / len(votes) if votes else 1.0
-
-
-def program_answer(text: str | None) -> str | None:
-    """The number a program-of-thought completion assigns to ``ans``, by
-    constant folding; None when it cannot be had that way.
-
-    The program is parsed (``ast.parse``) and never run: only straight-line
-    assignments to names of int/float literals, names assigned before, unary
-    -/+ and + - * / // % (** with a small integer exponent) are folded, in exact
-    fractions; anything else (calls, attributes, loops, imports, comparisons,
-    tuples), division by zero and huge numbers make the answer None."""
-    if not text or len(text) > MAX_PROGRAM_CHARS:
-        return None
-    try:
-        tree = ast.parse(text)
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return None
-    env: dict[str, Fraction] = {}
-    for stmt in tree.body:
-        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
-                and isinstance(stmt.targets[0], ast.Name)):
-            return None
-        try:
-            env[stmt.targets[0].id] = value = _fold(stmt.value, env, 0)
-        except (ZeroDivisionError, OverflowError, ValueError):
-            return None
-        if value is None:
-            return None
-    ans = env.get("ans")
-    return None if ans is None else str(ans.numerator) if ans.denominator == 1 \
-        else format(float(ans), ".10g")
-
-
-def _fold(node, env: dict[str, Fraction], depth: int) -> Fraction | None:
-    if depth > 50:
-        return None
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):  # not bool
-        value = Fraction(repr(node.value)) if isinstance(node.value, float) else Fraction(node.value)
-    elif isinstance(node, ast.Name):
-        value = env.get(node.id)
-    elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        inner = _fold(node.operand, env, depth + 1)
-        value = None if inner is None else (-inner if isinstance(node.op, ast.USub) else inner)
-    elif isinstance(node, ast.BinOp):
-        left, right = _fold(node.left, env, depth + 1), _fold(node.right, env, depth + 1)
-        if left is None or right is None:
-            return None
-        if isinstance(node.op, ast.Pow):  # small integer exponents only
-            ok = right.denominator == 1 and abs(right) <= 64 and abs(left) <= 10 ** 6
-            value = left ** int(right) if ok else None
-        else:
-            op = _FOLD_OPS.get(type(node.op))
-            value = None if op is None else Fraction(op(left, right))
-    else:
-        return None
-    ok = value is not None and max(abs(value.numerator), value.denominator) <= MAX_MAGNITUDE
-    return value if ok else None
-
-
-def gold_classes(answers: list, gold) -> tuple[list[int | None], list[bool] | None]:
-    """Answers clustered into class ids (None: no answer), and per class
-    whether its first answer equals ``gold`` (None when there is no gold)."""
-    ids = cluster_answers(answers)
-    if gold is None or not str(gold).strip():
-        return ids, None
-    reps: dict[int, str] = {}
-    for a, i in zip(answers, ids):
-        if i is not None:
-            reps.setdefault(i, a)
-    return ids, [answers_equal(reps[i], str(gold)) for i in range(len(reps))]
-
-
-def load_vote_traces(path: str, tokenizer, limit: int | None = None, extract=None) -> list[VoteTrace]:
-    """``extract``: completion -> answer (default: :func:`program_answer` for
-    program-of-thought files, ``*_pot_*``, else ``extract_answer``)."""
-    if extract is None:
-        extract = program_answer if "_pot_" in os.path.basename(path) else extract_answer
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if limit is not None and len(out) >= limit:
-                break
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # blank or broken line: nothing to replay
-            comps = obj.get("completions") if isinstance(obj, dict) else None
-            comps = [c for c in comps or [] if isinstance(c, str) and c]
-            if len(comps) < 2:
-                continue
-            ids, correct = gold_classes([extract(c) for c in comps], obj.get("answer"))
-            recorded = obj.get("completion_ids")  # python -m evals record: no tokenizer needed
-            if isinstance(recorded, list) and len(recorded) == len(comps):
-                tokens = [max(len(r), 1) for r in recorded]
-            else:
-                tokens = [len(e.ids) + 1 for e in tokenizer.encode_batch(comps)]  # + EOS
-            out.append(VoteTrace(str(obj.get("id", f"line{lineno}")), ids, tokens, correct))
-    return out
 
 
 def parse_waves(spec: list[str] | None) -> list[int | None] | None:
@@ -286,7 +164,7 @@ def grid() -> list[StopRule]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m evals stopping", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m evals stop-rules", description=__doc__.split("\n\n")[0])
     ap.add_argument("--traces", nargs="+", help="trace files (default: the shared traces)")
     ap.add_argument("--limit", type=int, help="first N problems of each set")
     ap.add_argument("--perms", type=int, default=20, help="random sample orders per problem")

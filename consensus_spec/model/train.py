@@ -1,6 +1,6 @@
 """Train the embedded default model (tiny Llama) on the synthetic arithmetic corpus.
 
-    python -m evals.train_embedded --out consensus_spec/model
+    python -m consensus_spec.model.train --out consensus_spec/model
 
 CPU only and seeded: the same arguments and library versions give the same
 model. Loss is on the solution tokens (and EOS) only. Writes config.json,
@@ -25,7 +25,7 @@ from consensus_spec.model.synthetic import format_example, generate_problems
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m consensus_spec.model.train", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="consensus_spec/model")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n-train", type=int, default=40000, help="training problems")
@@ -174,7 +174,7 @@ def save(model, tok, args, out):
 def write_report(out, args, argv, wall, n_params, seen, final_loss, n_examples):
     import transformers
 
-    cmd = "python -m evals.train_embedded " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = "python -m consensus_spec.model.train " + " ".join(argv if argv is not None else sys.argv[1:])
     settings = "\n".join(f"| {k} | {v} |" for k, v in vars(args).items())
     (out / "TRAINING.md").write_text(f"""# Embedded default model
 

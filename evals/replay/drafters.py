@@ -25,7 +25,7 @@ Methods:
   custom proposers no scheduled k, so no schedule applies.
 - ``consensus-nobudget``: the same with ``cost_model=off`` (the drafter alone).
 - ``device-lag0``, ``device-lag1``, ``device-lag2``: the device-side route
-  (:mod:`evals.device_route`): consensus tries fed sibling tokens 0, 1 or 2
+  (:mod:`evals.replay.device_route`): consensus tries fed sibling tokens 0, 1 or 2
   steps late, drafts gathered from a table of K-token continuations by each
   row's current tokens, K fixed per step. vLLM's Model Runner V2 passes its
   speculators the scheduled k, so a schedule applies.
@@ -163,7 +163,7 @@ def make_drafter(method: str, k: int, max_model_len: int, max_num_seqs: int,
     ``schedule``: vLLM's ``num_speculative_tokens_per_batch_size`` for ngram
     and suffix. ``suffix_options``: ``suffix_decoding_*`` settings for suffix
     (and suffix-budget). ``clock``: the time consensus's proposer reads to
-    learn step costs (a :class:`evals.replay.VirtualClock`); without one a
+    learn step costs (a :class:`evals.replay.engine.VirtualClock`); without one a
     replay has no step times, so its budget keeps the fixed cost model.
     """
     if method not in METHODS:

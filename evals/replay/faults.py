@@ -20,8 +20,8 @@ import numpy as np
 from consensus_spec import ConsensusProposer
 
 from .drafters import stand_in_config
-from .replay import replay
-from .traces import TraceError, load_problems, load_tokenizer, shared_path
+from .engine import replay
+from ..traces import TraceError, load_problems, load_tokenizer, shared_path
 
 KINDS = ("negative_ids", "huge_ids", "past_buffer", "ragged")
 

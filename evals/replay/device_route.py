@@ -211,7 +211,7 @@ class DeviceRouteDrafter:
 
 
 # ---------------------------------------------------------------------------
-# The comparison table: python -m evals.device_route results/async.json
+# The comparison table: python -m evals device-route results/async.json
 # ---------------------------------------------------------------------------
 
 VARIANTS = (  # (method, label, the view that route runs under)
@@ -268,9 +268,9 @@ def main(argv=None) -> int:
     import json
 
     from .projection import StepCosts
-    from .traces import shared_path
+    from ..traces import shared_path
 
-    ap = argparse.ArgumentParser(prog="python -m evals.device_route", description=table.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m evals device-route", description=table.__doc__)
     ap.add_argument("results", help="a .json from `python -m evals replay --methods ... device-lag1 ...`")
     ap.add_argument("--costs", default=shared_path("costs", "h200_qwen2.5-7b_step_ms.jsonl"))
     args = ap.parse_args(argv)

@@ -3,11 +3,22 @@ schedules, and the configurations they make."""
 
 from __future__ import annotations
 
+import argparse
 import sys
+
+# tokens per sample when --max-tokens is not given, by problem kind
+DEFAULT_MAX_TOKENS = {"synthetic": 256, "math": 1024}
 
 
 class UsageError(Exception):
     """Bad command line: reported as one ``error:`` line, exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """``math`` and ``record`` parse with this: a bad argument is a UsageError."""
+
+    def error(self, message):  # one line instead of usage + message
+        raise UsageError(message)
 
 
 RULE_PARAMS = {"sequential": ("error", float), "predictive": ("error", float), "beta": ("error", float),

@@ -11,7 +11,7 @@ vLLM condenses it: the last row moves into each hole.
 With ``scouts=S`` the first S paths of each problem run first; the others join
 once that problem's scouts have finished, ahead of the next problem's scouts,
 so the batch stays full and followers can draft from finished siblings.
-Any other order of entry (waves with stop votes: :mod:`evals.waves_replay`)
+Any other order of entry (waves with stop votes: :mod:`evals.adaptive.waves`)
 is an ``admission`` object with ``pop()`` and ``finished(problem, path)``,
 which may return running paths to abort: they leave the batch at once, their
 tokens so far counted in ``aborted_tokens``.
@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .traces import Problem
+from ..traces import Problem
 
 
 @dataclass

@@ -5,7 +5,7 @@
                            [--model DIR] [--speculative none|consensus] [--logprobs]
 
 Plain ``LLM.generate`` with ``SamplingParams(n=...)`` on the math eval's
-problems and prompts (``evals/datasets.py``, ``evals/prompts.py``), written to
+problems and prompts (``evals/math/datasets.py``, ``evals/math/prompts.py``), written to
 ``--out`` in batches of ``--batch-size`` problems, one problem per line: the
 shared trace format (``id``, ``prompt``, ``completions``, ``answer`` (gold),
 ``model``, ``temperature``, ``source``; see ../shared/data/README.md) plus
@@ -30,15 +30,15 @@ import os
 import sys
 import time
 
-from .math_configs import UsageError
-from .math_eval import DEFAULT_MAX_TOKENS, _Parser, add_engine_args, build_llm, on_cpu, resolve_model, shutdown
+from .configs import DEFAULT_MAX_TOKENS, Parser, UsageError
+from .llm import add_engine_args, build_llm, on_cpu, resolve_model, shutdown
 
 # meta fields that must match to append to an existing file
 SAME_ON_RESUME = ("model", "dataset", "n", "temperature", "top_p", "max_tokens", "seed", "logprobs")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="python -m evals record", description=__doc__.split("\n\n")[0],
+    ap = Parser(prog="python -m evals record", description=__doc__.split("\n\n")[0],
                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="JSONL trace file (appended to: resumes)")
     ap.add_argument("--dataset", default="synthetic",
@@ -73,7 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise UsageError("--gpu-memory-utilization must be in (0, 1]")
     if args.max_model_len is not None and args.max_model_len < 16:
         raise UsageError("--max-model-len must be >= 16")
-    args.drafter_options = {}  # math_eval.build_llm -> spec_config reads these
+    args.drafter_options = {}  # llm.build_llm -> spec_config reads these
     args.ngram_lookup = None
     return args
 

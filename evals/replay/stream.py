@@ -1,7 +1,7 @@
 """Long-run memory and quality check: many millions of tokens through one
 consensus proposer, as a long-lived vLLM engine would see them.
 
-    python -m evals.stream [--tokens 20000000] [--max-trie-nodes N] [--out FILE.json]
+    python -m evals stream [--tokens 20000000] [--max-trie-nodes N] [--out FILE.json]
 
 The shared traces are replayed (128 rows, k=8) pass after pass through ONE
 proposer, so its tries fill up and get evicted. Each pass shuffles the
@@ -30,9 +30,9 @@ import numpy as np
 from consensus_spec import DrafterOptions
 
 from .drafters import make_drafter
-from .replay import replay
-from .replay_bench import DEFAULT_TRACES
-from .traces import Problem, TraceError, load_problems, load_tokenizer, shared_path
+from .engine import replay
+from .replay import DEFAULT_TRACES
+from ..traces import Problem, TraceError, load_problems, load_tokenizer, shared_path
 
 PASS_TOKEN = 50257  # first id past GPT-2's vocabulary: pass p's prompts start with PASS_TOKEN + p
 MAX_DROP = 0.05     # allowed tau drop after an eviction
@@ -279,7 +279,7 @@ def markdown(result: dict) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m evals.stream", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m evals stream", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=20_000_000, help="tokens to generate in all")
     ap.add_argument("--max-trie-nodes", type=int, default=DrafterOptions().max_trie_nodes)
     ap.add_argument("--window", type=int, default=1_000_000, help="tokens per reported window")

@@ -1,0 +1,128 @@
+"""The vLLM engine the math eval and the trace recorder run: which model,
+which speculative config, built and shut down; the proposer's counters read
+from the engine's worker."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+from .configs import UsageError
+
+
+def add_engine_args(ap: argparse.ArgumentParser) -> None:
+    """The engine settings :func:`build_llm` reads (``record`` shares them)."""
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.25,
+                    help="vLLM memory share (on CPU it sizes the KV cache in RAM)")
+    ap.add_argument("--dtype", default="auto", help="model dtype (float32 is safest on CPU)")
+    ap.add_argument("--max-model-len", type=int)
+    ap.add_argument("--max-num-seqs", type=int, help="engine batch rows (default: vLLM's)")
+    ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                    help="eager mode (default: on CPU only; on GPU keep CUDA graphs, which the "
+                         "budget's H200 cost model was fitted to)")
+
+
+def resolve_model(model: str | None) -> str:
+    if model is None:
+        from consensus_spec.model import model_path
+        try:
+            return model_path()
+        except FileNotFoundError as e:
+            raise UsageError(f"{e}; train it (python -m consensus_spec.model.train) or pass --model DIR")
+    path = os.path.expanduser(model)
+    if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, "config.json")):
+            raise UsageError(f"model directory {model} has no config.json")
+        return path
+    if os.path.exists(path):
+        raise UsageError(f"--model must be a model directory, not a file: {model}")
+    first = model.split("/")[0]
+    hub_like = (re.fullmatch(r"[\w.-]+/[\w.-]+", model) is not None
+                and not model.startswith((".", "~")) and not os.path.isdir(first))
+    if hub_like:
+        return model  # a Hugging Face hub id; vLLM downloads it (needs internet)
+    raise UsageError(f"model directory not found: {model}")
+
+
+def spec_config(method: str, args) -> dict | None:
+    """vLLM's speculative_config for ``method`` (consensus options travel in
+    ``additional_config``: :func:`engine_kwargs`)."""
+    if method == "none":
+        return None
+    if method == "consensus":
+        from consensus_spec import engine_args
+        return engine_args(args.k, **args.drafter_options)["speculative_config"]
+    config = {"method": method, "num_speculative_tokens": args.k}
+    if method == "ngram" and args.ngram_lookup:
+        config["prompt_lookup_min"], config["prompt_lookup_max"] = args.ngram_lookup
+    return config
+
+
+def check_dependencies(methods: list[str]) -> None:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise UsageError("vLLM is not installed (pip install -e .[cpu] or .[gpu])")
+    if "suffix" in methods:
+        try:
+            import arctic_inference  # noqa: F401
+        except ImportError:
+            raise UsageError("method suffix needs arctic-inference (pip install arctic-inference) "
+                             "or drop it from --methods")
+
+
+def on_cpu() -> bool:
+    """vLLM will run on the CPU backend (no GPU visible to torch)."""
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def engine_options(method: str, args) -> dict:
+    """vLLM's additional_config: consensus's options, where they travel."""
+    if method != "consensus":
+        return {}
+    from consensus_spec import engine_args
+    return engine_args(args.k, **args.drafter_options)["additional_config"]
+
+
+def build_llm(method: str, args):
+    from vllm import LLM
+
+    kwargs = dict(model=args.model, speculative_config=spec_config(method, args), seed=args.seed,
+                  additional_config=engine_options(method, args),
+                  dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
+                  enforce_eager=on_cpu() if args.enforce_eager is None else args.enforce_eager,
+                  disable_log_stats=False)
+    if args.max_model_len is not None:
+        kwargs["max_model_len"] = args.max_model_len
+    if args.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = args.max_num_seqs
+    return LLM(**kwargs)
+
+
+def shutdown(llm) -> None:
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort; the engine may be gone already
+        pass
+
+
+def drafter_counters(worker) -> dict | None:
+    """Run in the engine's worker (``LLM.collective_rpc``): the consensus
+    proposer's counters, what its budget learned included."""
+    drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
+    counters = getattr(drafter, "counters", None)
+    return counters() if counters is not None else None
+
+
+def proposer_counters(llm) -> dict | None:
+    try:
+        return next((c for c in llm.collective_rpc(drafter_counters, timeout=60) if c), None)
+    except Exception as e:  # noqa: BLE001 - a report, not the run: say why it is missing
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+
+
+def in_process_engine() -> bool:
+    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"

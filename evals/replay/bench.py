@@ -1,0 +1,252 @@
+"""What one replay run is: a drafter built, timed in CPU time and replayed at
+a batch size, its row projected on the step-cost and host-time tables; and
+how a sweep over k picks the per-batch-size schedule the baselines run with.
+``python -m evals replay`` (``evals/replay/replay.py``) drives it; the waves
+replay reuses its timing and tables."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+from tqdm import tqdm
+
+from ..options import parse_options
+from .device_route import device_us_per_row
+from .drafters import DEVICE_METHODS, make_drafter
+from .engine import VirtualClock, replay
+from .projection import HostTime, StepCosts, break_even_host_ms
+
+DEFAULT_HOST_TIME = "results/host_time.jsonl"
+
+
+# ---------------------------------------------------------------------------
+# Schedules
+# ---------------------------------------------------------------------------
+
+
+def schedule_from_ks(ks: dict[int, int]) -> list[tuple[int, int, int]]:
+    """vLLM ``num_speculative_tokens_per_batch_size`` giving each measured
+    batch size its k: batch sizes up to the smallest get its k, each next
+    range starts one above the previous size; vLLM carries the last k on."""
+    out, start = [], 1
+    for b in sorted(ks):
+        out.append((start, b, int(ks[b])))
+        start = b + 1
+    return out
+
+
+def describe_schedule(ks: dict[int, int]) -> str:
+    return ", ".join(f"B{b}→" + (f"k{ks[b]}" if ks[b] else "off") for b in sorted(ks))
+
+
+def pick_schedule(rows: list[dict], key: str = "speedup") -> dict:
+    """Best k per batch size from sweep rows ``{"batch", "k", "params", key}``.
+
+    Engine-wide settings (``params``: suffix's min_token_prob and spec factor
+    hold for every batch size) are chosen together: the setting whose best
+    per-batch speedups have the highest geometric mean. Ties go to the
+    smaller k."""
+    by_params: dict[str, list[dict]] = {}
+    for r in rows:
+        by_params.setdefault(json.dumps(r.get("params") or {}, sort_keys=True), []).append(r)
+    best = None
+    for params, group in by_params.items():
+        ks, speedups = {}, {}
+        for r in sorted(group, key=lambda r: (r["batch"], r["k"])):
+            b = r["batch"]
+            if b not in ks or r[key] > speedups[b]:
+                ks[b], speedups[b] = r["k"], r[key]
+        score = math.exp(sum(math.log(max(s, 1e-9)) for s in speedups.values()) / len(speedups))
+        if best is None or score > best["score"]:
+            best = {"params": json.loads(params), "k": ks, "speedup": speedups, "score": score}
+    if best is None:
+        raise ValueError("no sweep rows to pick a schedule from")
+    best["schedule"] = schedule_from_ks(best["k"])
+    best["text"] = describe_schedule(best["k"])
+    return best
+
+
+# ---------------------------------------------------------------------------
+# Running
+# ---------------------------------------------------------------------------
+
+
+class CpuTimed:
+    """A drafter wrapped to time each call in process CPU time, which other
+    processes on a shared machine do not inflate (replay() keeps wall time)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.cpu_s = 0.0
+        self.rows = 0
+        self.per_call: list[float] = []
+
+    def __call__(self, sampled, batch):
+        t0 = time.process_time()
+        out = self.fn(sampled, batch)
+        dt = time.process_time() - t0
+        self.cpu_s += dt
+        self.rows += len(sampled)
+        self.per_call.append(dt * 1e6 / max(len(sampled), 1))
+        return out
+
+    @property
+    def us_per_row(self) -> float:
+        return self.cpu_s * 1e6 / max(self.rows, 1)
+
+    @property
+    def median_us_per_row(self) -> float:
+        s = sorted(self.per_call)
+        return s[len(s) // 2] if s else 0.0
+
+
+class LearningTrace:
+    """How fast the proposer's learned step costs approach the truth: per
+    verified step, the relative error of its predicted time for that step's
+    rows and draft tokens (drafter time excluded), and of the predicted cost
+    of its draft tokens."""
+
+    WITHIN = 0.05
+
+    def __init__(self, proposer, truth: StepCosts):
+        self.proposer, self.truth = proposer, truth
+        self.errors: list[float] = []
+        self.slope_errors: list[float] = []
+        self.sizes = truth.batch_sizes
+
+    def __call__(self, stats) -> None:
+        b, m = stats.step_rows[-1], stats.step_drafted[-1]
+        costs = self.proposer.budget.costs if self.proposer.budget is not None else None
+        if costs is None or b < 1:
+            return
+        t = costs.step_ms(b, max(m, b), drafter=False)
+        bb = min(max(b, self.sizes[0]), self.sizes[-1])
+        true_at = lambda q: self.truth.step_ms_between(bb, q)  # noqa: E731
+        self.errors.append(abs(t[m] / true_at(1.0 + m / b) - 1.0))
+        one_more = true_at(2.0) - true_at(1.0)  # one draft token per row
+        if one_more > 0:
+            self.slope_errors.append(abs((t[b] - t[0]) / one_more - 1.0))
+
+    def summary(self) -> dict:
+        def settled(errors):  # first step after which every error is within WITHIN
+            bad = [i for i, e in enumerate(errors) if e > self.WITHIN]
+            return (bad[-1] + 1 if bad else 0) if errors else None
+        return {"steps": len(self.errors), "steps_to_5pct_step_time": settled(self.errors),
+                "steps_to_5pct_draft_cost": settled(self.slope_errors),
+                "final_step_time_error": round(self.errors[-1], 4) if self.errors else None,
+                "median_draft_cost_error": round(float(sorted(self.slope_errors)[len(self.slope_errors) // 2]), 4)
+                if self.slope_errors else None}
+
+
+class Bench:
+    def __init__(self, args, costs: StepCosts | None, host: HostTime | None):
+        self.args = args
+        self.costs = costs
+        self.host = host
+        self.options = parse_options(args.option)
+        self.warmed: set[str] = set()
+
+    def project(self, row: dict) -> dict:
+        b, tau, d = row["batch"], row["tau"], row["drafts_per_step"]
+        c = row["cpu_us_per_row"] * self.args.drafter_time_scale
+        if row["method"] in DEVICE_METHODS:  # drafts on the device; host work off the critical path
+            c = device_us_per_row(b)
+        if self.costs is None or b not in self.costs.batch_sizes:
+            return row
+        none = row["method"] == "none"
+        row["speedup"] = 1.0 if none else self.costs.speedup(b, tau, d, c)
+        if not none:
+            row["break_even_host_ms"] = break_even_host_ms(self.costs, b, tau, d, c)
+        if self.host is not None:
+            h = self.host.host_ms(b) * self.args.host_time_scale
+            row["host_ms"] = h
+            # no drafting runs with async scheduling: it is the baseline itself
+            row["speedup_async"] = 1.0 if none else self.costs.speedup_async_aware(b, tau, d, c, h)
+            row["speedup_both_sync"] = 1.0 if none else self.costs.speedup_both_sync(b, tau, d, c, h)
+        return row
+
+    def clock(self, method: str) -> VirtualClock | None:
+        """The time consensus learns its step costs from: the cost table's."""
+        if self.costs is None or self.args.online == "off" or method != "consensus":
+            return None
+        sizes = self.costs.batch_sizes
+        return VirtualClock(lambda b, q: self.costs.step_ms_between(min(max(b, sizes[0]), sizes[-1]), q))
+
+    def run(self, problems, name: str, method: str, batch: int, scouts: int = 0,
+            schedule=None, suffix_options: dict | None = None, tag: str = "") -> dict:
+        k = self.args.k
+        max_len = max(len(p.prompt) + max(map(len, p.completions)) for p in problems) + k + 2
+
+        def build(clock):
+            return make_drafter(method, k, max_len, batch, self.options, schedule=schedule,
+                                suffix_options=suffix_options, clock=clock)
+
+        if method not in self.warmed:  # load compiled code before anything is timed
+            clock = self.clock(method)
+            replay(problems[:1], build(clock), method, k, batch, scouts, clock=clock)
+            self.warmed.add(method)
+        clock = self.clock(method)
+        inner = build(clock)
+        drafter = CpuTimed(inner)
+        learning = LearningTrace(inner.proposer, self.costs) if clock is not None else None
+        n_paths = sum(len(p.completions) for p in problems)
+        desc = f"{name} B={batch} {method}{tag} S={scouts}"
+        t0 = time.perf_counter()
+        with tqdm(total=n_paths, desc=desc, leave=False, disable=not sys.stderr.isatty()) as bar:
+            stats = replay(problems, drafter, method, k, batch, scouts, bar, clock=clock,
+                           on_step=learning)
+        print(f"  {desc}: tau {stats.tau:.2f}, {drafter.us_per_row:.1f} µs/row-step CPU "
+              f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+        row = {"traces": name, "problems": len(problems), "batch": batch, **stats.summary(),
+               "cpu_us_per_row": drafter.us_per_row, "cpu_median_us_per_row": drafter.median_us_per_row}
+        if hasattr(inner, "route_stats"):
+            row.update(inner.route_stats())
+        if learning is not None:
+            row["learning"] = learning.summary()
+            row["cost_counters"] = {key: value for key, value in inner.proposer.counters().items()
+                                    if key.startswith(("steps_", "explore", "cost_model"))}
+        if schedule is not None:
+            row["schedule"] = [list(e) for e in schedule]
+        if suffix_options:
+            row["suffix_options"] = suffix_options
+        return self.project(row)
+
+    def sweep(self, problems, name: str, method: str) -> list[dict]:
+        """Fixed-k runs at each batch size: one row per (settings, batch, k)."""
+        args = self.args
+        settings = [{}]
+        if method == "suffix":
+            settings = [{"suffix_decoding_min_token_prob": p, "suffix_decoding_max_spec_factor": f}
+                        for p in args.suffix_min_prob for f in args.suffix_spec_factor]
+        rows = []
+        for params in settings:
+            for batch in args.batches:
+                for k in sorted(set(args.sweep_k)):
+                    schedule = [(1, batch, k)]
+                    row = self.run(problems, name, method, batch, 0, schedule, params or None,
+                                   tag=f" sweep k={k}" + (f" {params}" if params else ""))
+                    row.update(k=k, params=params, sweep=True)
+                    rows.append(row)
+        return rows
+
+
+def load_tables(args, quiet: bool = False) -> tuple[StepCosts | None, HostTime | None]:
+    """The step-cost table and the host-time table (None where not given)."""
+    costs = StepCosts.load(args.costs) if args.costs and os.path.exists(args.costs) else None
+    scale = getattr(args, "costs_slope_scale", 1.0)  # waves and dp-replay share this
+    if costs is not None and scale != 1.0:
+        costs = costs.with_slope_scale(scale)
+    host = None
+    if args.host_time and args.host_time != "none":
+        if os.path.exists(args.host_time):
+            host = HostTime.load(args.host_time)
+        elif args.host_time != DEFAULT_HOST_TIME:
+            raise FileNotFoundError(f"host-time table not found: {args.host_time}")
+        elif not quiet:
+            print(f"note: no host-time table at {args.host_time} (python -m evals host-time); "
+                  "the async-aware view is left out", file=sys.stderr)
+    return costs, host
