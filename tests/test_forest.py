@@ -112,6 +112,12 @@ def test_halves_fill_and_rotate_without_touching_the_young_half():
     node = forest.extend_many([fresh], seqs[0][:30], [0, 30])
     fresh_trie.extend(0, seqs[0][:30])
     assert forest.rotate() == 0 and forest.num_nodes(0) == 0  # drops half 0, keeps half 1
+    assert forest._dirty is not None and forest._dirty.any()   # half 1's old table, to clear
+    calls = 0
+    while forest._dirty is not None:  # a bounded slice a call
+        forest.tidy(slots=64)
+        calls += 1
+    assert calls == forest._slots // 64 and not forest._spare.any()
     assert_same_trie(forest, fresh, fresh_trie)
     with pytest.raises(ValueError):
         forest.extend_many([roots[0]], [1], [0, 1])  # its trie was dropped

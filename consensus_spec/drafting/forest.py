@@ -16,10 +16,10 @@ No pause, ever: the arrays are allocated once, at full size, and never grow
 or get compacted. The node array is split into two halves, each with its own
 edge table. New tries start in the *young* half; a trie, and everything
 appended to it, stays in the half it started in. :meth:`rotate` drops the
-other half whole: its nodes are simply reused and its table replaced by a
-fresh zeroed one, so dropping millions of nodes costs well under a
-millisecond. Memory is committed by the OS as pages are first written, so
-an arena that never fills never costs its full size.
+other half whole: its nodes are simply reused and its table swapped for a
+spare one that :meth:`tidy` cleared a slice a step, so dropping millions of
+nodes costs microseconds. Memory is committed by the OS as pages are first
+written, so an arena that never fills never costs its full size.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from . import trie_kernels as K
 from .trie_kernels import BEST, CNT, DEP, FIRST, LINK, TOK, TOT, UNSET  # noqa: F401  (the layout)
 
 PAGE_SLOTS = 4096 // 16  # edge-table slots in a 4 KB page
+TIDY_SLOTS = 1 << 14     # table slots tidy() clears a call (256 KB, ~20 us)
 TOKEN_LIMIT = K._TOKEN_LIMIT  # token ids must be below it
 EDGES_PER_NODE = 0.25  # table slots per node are half this (load <= 1/2)
 
@@ -82,7 +83,10 @@ class SuffixForest:
         self._shift = 64 - (slots.bit_length() - 1)
         self._nodes = _anonymous((2 * self.half, 7), np.int32)
         self._tables = [self._new_table(), self._new_table()]
-        self._faulted = [0, 0]  # per table: slots up to which its pages are written
+        # The table the next young half takes: zeroed, its pages committed,
+        # by tidy() a slice a step (freeing or clearing 32 MB at once is ~6 ms).
+        self._spare, self._spare_done = self._new_table(), 0
+        self._dirty = None  # the dropped half's table, until tidy() has cleared it
         self._state = np.array([[0, 0], [self.half, 0]], np.int64)  # per half: next id, edges
         self.young = 0  # the half new tries start in
         self.tokens_appended = 0  # per sequence, by every call, ever
@@ -110,32 +114,42 @@ class SuffixForest:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the node array and both edge tables, at full size: the
-        bound on what the forest can hold (touched pages are what it does)."""
-        return self._nodes.nbytes + sum(t.nbytes for t in self._tables)
+        """Bytes of the node array and the three edge tables (one per half,
+        one spare), at full size: the bound on what the forest can hold."""
+        return self._nodes.nbytes + 3 * self._tables[0].nbytes
 
     def rotate(self) -> int:
         """Drop every trie in the old half and make it the young one; returns
         its index. Node ids in it are reused: ids held outside must be
-        forgotten by the caller."""
+        forgotten by the caller. O(1) unless tidy() has not finished
+        clearing the last dropped table (a rotation within a few hundred
+        steps of the last)."""
         h = self.old
+        while self._spare is None:
+            self.tidy(self._slots)
         self._state[h] = h * self.half, 0
-        self._tables[h] = self._new_table()
-        self._faulted[h] = 0
+        self._tables[h], self._dirty = self._spare, self._tables[h]
+        self._spare, self._spare_done = None, 0
         self.young = h
         return h
 
-    def prefault(self, pages: int = 64) -> None:
-        """Write the next ``pages`` untouched pages of the young half's edge
-        table, so the OS commits them now rather than one fault per random
-        insert in the steps after a rotation (a few ms a step with many new
-        groups)."""
-        h, start = self.young, self._faulted[self.young]
-        if start < self._slots:
-            step = PAGE_SLOTS
-            end = min(start + pages * step, self._slots)
-            self._tables[h][start:end:step, 1] = 0
-            self._faulted[h] = end
+    def tidy(self, slots: int = TIDY_SLOTS) -> None:
+        """Bounded work a step, off the hot path: clear the next ``slots`` of
+        the dropped half's edge table, or write the next ones of a fresh
+        spare table (so its pages are committed before it is used, not one
+        page fault per random insert)."""
+        if self._dirty is not None:
+            start = self._spare_done
+            end = min(start + slots, self._slots)
+            self._dirty[start:end] = 0
+            self._spare_done = end
+            if end == self._slots:
+                self._spare, self._dirty, self._spare_done = self._dirty, None, self._slots
+        elif self._spare_done < self._slots:
+            start = self._spare_done
+            end = min(start + slots * PAGE_SLOTS // 16, self._slots)  # writes one slot a page
+            self._spare[start:end:PAGE_SLOTS, 1] = 0
+            self._spare_done = end
 
     def root_sizes(self, roots) -> np.ndarray:
         """Nodes in each trie rooted at ``roots`` (slow: for tests and reports)."""

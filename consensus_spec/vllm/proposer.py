@@ -65,6 +65,7 @@ class ConsensusProposer:
         self.num_failures = 0  # steps that raised (and drafted nothing)
         self.num_resets = 0    # times the drafting state was rebuilt after a failure
         self.num_regroups = 0  # of those, tries rebuilt with paths kept in their groups
+        self.regroup_ms_max = 0.0  # the longest such rebuild (it re-appends rows' outputs)
         self._tracked = False  # this call's row tracking finished
         self.disabled = False  # switched off after max_failures failing steps in a row
         self._failing = 0      # failing steps in a row
@@ -162,8 +163,12 @@ class ConsensusProposer:
         self.num_resets += 1
         if self._failing == 1 and self._tracked:
             try:
-                self._regroup(token_ids_cpu)
+                t0 = time.perf_counter()
+                rows = self._regroup(token_ids_cpu)
                 self.num_regroups += 1
+                self.regroup_ms_max = max(self.regroup_ms_max, 1e3 * (time.perf_counter() - t0))
+                logger.info("consensus_spec: tries rebuilt; %d rows in flight keep their paths and "
+                            "groups (%.1f ms)", rows, 1e3 * (time.perf_counter() - t0))
                 return
             except Exception:  # noqa: BLE001 - fall back to rebuilding everything
                 logger.warning("consensus_spec: regrouping after the failure failed; "
@@ -175,7 +180,7 @@ class ConsensusProposer:
             logger.error("consensus_spec: drafting state could not be rebuilt; drafting is off",
                          exc_info=True)
 
-    def _regroup(self, token_ids_cpu) -> None:
+    def _regroup(self, token_ids_cpu) -> int:
         """Fresh tries for every path, the same paths in the same groups: each
         row in flight gets its recent output (the row tracker says which
         path and how far) re-appended from vLLM's token buffer."""
@@ -184,6 +189,7 @@ class ConsensusProposer:
         rows, paths, ends = self.rows.holding()
         if len(rows):
             self.drafter.restore(paths, np.asarray(token_ids_cpu), rows, ends)
+        return len(rows)
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
                  start: float | None = None) -> list[list[int]]:
@@ -262,7 +268,7 @@ class ConsensusProposer:
         return {
             "num_drafted": self.num_drafted, "num_accepted": self.num_accepted,
             "num_failures": self.num_failures, "num_resets": self.num_resets,
-            "num_regroups": self.num_regroups,
+            "num_regroups": self.num_regroups, "regroup_ms_max": round(self.regroup_ms_max, 2),
             "disabled": self.disabled, "paths_started": rows.paths_started,
             "paths_resumed": rows.paths_resumed, "paths_moved": rows.paths_moved,
             "tokens_missed": rows.tokens_missed, "rows_rejected": rows.rows_rejected,

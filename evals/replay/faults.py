@@ -1,18 +1,27 @@
-"""Corrupted proposer inputs on chosen replay steps: nothing may escape
-``propose()``, every row still gets a (possibly empty) draft list, and
-drafting quality over the run stays close to a clean run.
+"""Corrupted proposer inputs and failing drafting steps on chosen replay
+steps: nothing may escape ``propose()``, every row still gets a (possibly
+empty) draft list, and drafting quality stays close to a clean run.
 
     python -m evals faults [--traces FILE] [--batch 64] [--every 500] [--limit N]
 
-Corruptions, cycled over the faulty steps: negative token ids, ids >= 2^21
-(the trie's token limit), lengths past the token buffer, and ragged sampled
-lists (too long, empty, not lists). Each corrupts a quarter of the rows of a
-copy of vLLM's inputs, so the replay itself stays correct.
+Three runs of the same traces, side by side:
+
+- clean;
+- corrupted: on every ``--every``-th call, cycled: negative token ids, ids
+  >= 2^21 (the trie's token limit), lengths past the token buffer, and
+  ragged sampled lists (too long, empty, not lists), each in a quarter of
+  the rows of a copy of vLLM's inputs (so the replay itself stays correct);
+- reset: on every ``--every``-th call the drafter raises inside the step,
+  as a bug would; the proposer contains it and rebuilds its tries. Tau in
+  the 10-step windows after each failure, against the clean run's over the
+  same steps, shows how fast drafting recovers.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 
 import numpy as np
@@ -45,24 +54,43 @@ def corrupt(kind: str, sampled, num_tokens, tokens, rng):
     return sampled, num_tokens, tokens
 
 
+def fail_once(proposer) -> None:
+    """Make the proposer's next drafting call raise, as a bug in it would."""
+    drafter = proposer.drafter
+    real = drafter.extend_and_draft
+
+    def boom(*args, **kwargs):
+        drafter.extend_and_draft = real
+        raise RuntimeError("injected drafter failure")
+    drafter.extend_and_draft = boom
+
+
+WINDOW, WINDOWS = 10, 5  # recovery: 10-step windows, the first 50 steps after a failure
+
+
 def run(problems, batch: int, k: int, every: int, seed: int = 0):
     max_len = max(len(p.prompt) + max(map(len, p.completions)) for p in problems) + k + 2
     cfg = stand_in_config(k, max_len, batch)
     result = {}
-    for label in ("clean", "corrupted"):
-        proposer = ConsensusProposer(cfg)
+    curves = {}
+    for label in ("clean", "corrupted", "reset"):
+        proposer = ConsensusProposer(cfg, online_costs=False)  # no wall-clock learning: the
+        #                                                       three runs differ by the faults alone
         rng = np.random.default_rng(seed)
         calls = [0]
         escaped = []
         wrong_shape = [0]
+        curve = curves[label] = [(0, 0)]  # cumulative (tokens, row steps) after each step
 
         def drafter(sampled, b, proposer=proposer, rng=rng, calls=calls, escaped=escaped,
-                    wrong_shape=wrong_shape, faulty=label == "corrupted"):
+                    wrong_shape=wrong_shape, label=label):
             calls[0] += 1
             args = (sampled, b.num_tokens_no_spec, b.token_ids_cpu)
-            if faulty and calls[0] % every == 0:
+            if label == "corrupted" and calls[0] % every == 0:
                 kind = KINDS[(calls[0] // every - 1) % len(KINDS)]
                 args = corrupt(kind, *args, rng)
+            if label == "reset" and calls[0] % every == 0:
+                fail_once(proposer)
             try:
                 drafts = proposer.propose(*args)
             except Exception as e:  # noqa: BLE001 - counted: the target is none
@@ -73,12 +101,37 @@ def run(problems, batch: int, k: int, every: int, seed: int = 0):
                 drafts = [[] for _ in sampled]
             return drafts
 
-        stats = replay(problems, drafter, "consensus", k, batch)
+        stats = replay(problems, drafter, "consensus", k, batch,
+                       on_step=lambda st, curve=curve: curve.append((st.tokens, st.row_steps)))
         result[label] = {"tau": stats.tau, "steps": calls[0], "escaped": escaped,
                          "wrong_shape": wrong_shape[0], **proposer.counters()}
     result["corrupted_steps"] = result["corrupted"]["steps"] // every
     result["tau_ratio"] = result["corrupted"]["tau"] / result["clean"]["tau"]
+    result["reset_tau_ratio"] = result["reset"]["tau"] / result["clean"]["tau"]
+    result["recovery"] = recovery(curves["clean"], curves["reset"], every)
+    result["recovery_corrupted"] = recovery(curves["clean"], curves["corrupted"], every)  # noise
     return result
+
+
+def recovery(clean, reset, every: int) -> list[float]:
+    """Per 10-step window after a failure (steps f+1..f+10, ...), tau of the
+    reset run over the clean run's in the same steps, pooled over failures."""
+    def tau(curve, a, b):
+        (t0, r0), (t1, r1) = curve[a], curve[b]
+        return (t1 - t0) / max(r1 - r0, 1), r1 - r0
+    out = []
+    last = min(len(clean), len(reset)) - 1
+    for w in range(WINDOWS):
+        num = den = 0.0
+        for f in range(every, last, every):
+            a, b = f + w * WINDOW, f + (w + 1) * WINDOW
+            if b > last:
+                break
+            (tr, n), (tc, _) = tau(reset, a, b), tau(clean, a, b)
+            num += tr * n
+            den += tc * n
+        out.append(num / den if den else float("nan"))
+    return out
 
 
 def main(argv=None) -> int:
@@ -88,22 +141,34 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--every", type=int, default=500, help="corrupt every Nth propose call")
     ap.add_argument("--limit", type=int)
+    ap.add_argument("--tokenizer", help="tokenizer.json (default: shared GPT-2; traces with ids need none)")
+    ap.add_argument("--out", help="write the figures to this JSON file")
     args = ap.parse_args(argv)
     try:
-        problems = load_problems(args.traces, load_tokenizer(), limit=args.limit)
+        problems = load_problems(args.traces, load_tokenizer(args.tokenizer), limit=args.limit)
     except (TraceError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     r = run(problems, args.batch, args.k, args.every)
-    print(f"| run | propose calls | corrupted calls | escaped exceptions | wrong-shape returns | "
-          f"failed steps | resets | tau |\n|---|---|---|---|---|---|---|---|")
-    for label in ("clean", "corrupted"):
+    print(f"| run | propose calls | faulty calls | escaped exceptions | wrong-shape returns | "
+          f"rows rejected | failed steps | resets (regrouped) | tau |\n|---|---|---|---|---|---|---|---|---|")
+    for label in ("clean", "corrupted", "reset"):
         x = r[label]
-        print(f"| {label} | {x['steps']} | {r['corrupted_steps'] if label == 'corrupted' else 0} | "
-              f"{len(x['escaped'])} | {x['wrong_shape']} | {x['num_failures']} | {x['num_resets']} | "
-              f"{x['tau']:.3f} |")
-    print(f"\ntau corrupted / clean: {r['tau_ratio']:.3f}")
-    return 0 if not r["corrupted"]["escaped"] and not r["corrupted"]["wrong_shape"] else 1
+        print(f"| {label} | {x['steps']} | {r['corrupted_steps'] if label != 'clean' else 0} | "
+              f"{len(x['escaped'])} | {x['wrong_shape']} | {x['rows_rejected']} | "
+              f"{x['num_failures']} | {x['num_resets']} ({x['num_regroups']}) | {x['tau']:.3f} |")
+    print(f"\ntau corrupted / clean: {r['tau_ratio']:.3f}; reset / clean: {r['reset_tau_ratio']:.3f}")
+    for key, what in (("recovery", "failure (reset run)"),
+                      ("recovery_corrupted", "corrupted call (for scale)")):
+        print(f"after each {what}, tau / clean per 10 steps: "
+              + ", ".join(f"{w * WINDOW + 1}-{(w + 1) * WINDOW}: {x:.3f}"
+                          for w, x in enumerate(r[key])))
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(r, f, indent=1)
+    bad = any(r[x]["escaped"] or r[x]["wrong_shape"] for x in ("corrupted", "reset"))
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
