@@ -85,6 +85,8 @@ class ProposerCounters:
                                             if line.startswith("VmRSS:")) // 1024
         except (OSError, StopIteration, ValueError):
             pass
+        import sys as _sys
+        out["python_blocks"] = _sys.getallocatedblocks()  # pymalloc blocks: Python objects
         return out
 
 
@@ -360,6 +362,11 @@ def tree_rss_mb(pid: int) -> tuple[float, dict[int, float]]:
     return sum(per.values()), per
 
 
+# proposer counters read at each RSS sample, to tell what grows
+ATTRIBUTION = ("worker_rss_mb", "python_blocks", "trie_nodes", "arena_bytes", "live_paths",
+               "path_slots", "parked_paths", "live_groups", "num_groups", "evictions")
+
+
 class RssCheckpoints:
     """RSS of ``pid``'s process tree at fixed points of the workload: before
     the first request, after every ``every`` completed requests, and at the
@@ -368,11 +375,14 @@ class RssCheckpoints:
 
     MIN_POINTS = 5  # start, three inner points, end: enough to tell halves and quarters apart
 
-    def __init__(self, pid: int, total: int, every: int | None = None):
+    def __init__(self, pid: int, total: int, every: int | None = None, probe=None):
+        """``probe()``, if given, is read at each sample too (the proposer's
+        counters: what its arrays and Python objects hold, for attribution)."""
         self.pid, self.total = pid, total
         self.every = every or max(1, total // 8)
         self.points: list[tuple[int, float, dict]] = []  # (requests done, MB, {pid: MB})
         self.labels: dict[int, str] = {}
+        self.probe, self.probes = probe, []
 
     def sample(self, done: int) -> None:
         mb, per = tree_rss_mb(self.pid)
@@ -380,6 +390,9 @@ class RssCheckpoints:
             if p not in self.labels:
                 self.labels[p] = process_label(p)
         self.points.append((done, mb, per))
+        if self.probe is not None:
+            c = self.probe() or {}
+            self.probes.append({"done": done, **{k: c.get(k) for k in ATTRIBUTION}})
 
     def on_done(self, done: int) -> None:
         """Called with the count of completed requests after each completion."""
@@ -417,7 +430,8 @@ class RssCheckpoints:
         return {"samples": len(s), "enough": True, "every": self.every,
                 "processes": max(len(x[2]) for x in s), **points([x[1] for x in s]),
                 "per_process": per_process,
-                "series_mb": [[d, round(mb, 1)] for d, mb, _ in s]}
+                "series_mb": [[d, round(mb, 1)] for d, mb, _ in s],
+                "proposer_series": self.probes}
 
 
 # --------------------------------------------------------------------------
@@ -428,7 +442,9 @@ def good_requests(count: int, n: int, seed: int = 0, seeded_every: int = 4,
                   max_tokens: tuple[int, int] = (64, 96)) -> list[dict]:
     """``count`` completion requests over synthetic problems; every
     ``seeded_every``-th one carries a ``seed``. Some prompts repeat (as a
-    self-consistency client would resend a problem)."""
+    self-consistency client would resend a problem), and one in ten is the
+    same greedy n=8 request (a health check, a cached eval): its eight paths
+    are identical every time."""
     from consensus_spec.model.synthetic import format_prompt, generate_problems
 
     rng = random.Random(seed)
@@ -442,6 +458,9 @@ def good_requests(count: int, n: int, seed: int = 0, seeded_every: int = 4,
             req["seed"] = rng.randrange(2**31)
         if i % 5 == 3:  # some with top-k (vllm_compat's empty_top_k fix)
             req["extra_body"] = {"top_k": 20}
+        if i % 10 == 7:  # one prompt sent again and again, greedy with n=8: identical paths
+            req = {"prompt": format_prompt(problems[0]["question"]), "n": 8, "temperature": 0.8,
+                   "max_tokens": max_tokens[0], "extra_body": {"top_k": 1}}
         reqs.append(req)
     return reqs
 
@@ -565,7 +584,7 @@ def run_soak(server: Server, reqs: list[dict], threads: int, n: int,
             res["seeded"] = "seed" in reqs[i]
             if res["ok"]:
                 bad = [j for j, t in enumerate(res["texts"]) if not t.strip()]
-                if len(res["texts"]) != n or bad:
+                if len(res["texts"]) != reqs[i].get("n", n) or bad:
                     res["ok"] = False
                     res["error"] = f"{len(res['texts'])} choices, empty: {bad}"
             if res["ok"]:
@@ -794,7 +813,8 @@ def soak(num_requests: int = 200, threads: int = 16, n: int = 8, greedy_count: i
             say(f"[soak] spec server ready in {spec.ready_s:.1f} s; soak: {num_requests} x n={n} "
                 f"from {threads} threads")
             stage = "soak"
-            rss = RssCheckpoints(spec.proc.pid, num_requests, rss_every)
+            rss = RssCheckpoints(spec.proc.pid, num_requests, rss_every,
+                                 probe=lambda: proposer_counters(spec.base_url))
             rss.sample(0)
             report["soak"] = run_soak(spec, reqs, threads, n, bad_rounds, deadline_s, rss.on_done)
             rss.sample(num_requests)
@@ -961,6 +981,12 @@ def markdown(report: dict) -> str:
                          f"{pp['end_mb']} ({pp['first_half_growth_mb']} / {pp['second_half_growth_mb']}) |")
         lines.append(f"| control: ok / failed, wall, requests/s, tokens/s | {cs['ok']} / {cs['failed']}, "
                      f"{cs['wall_s']} s, {cs['requests_per_s']}, {cs['tokens_per_s']} |")
+    series = rss.get("proposer_series") or []
+    if series:
+        keys = [k for k in ATTRIBUTION if any(p.get(k) is not None for p in series)]
+        lines += ["", "Attribution: the proposer's counters at each RSS sample (engine process)", "",
+                  "| requests done | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+        lines += ["| " + " | ".join(str(p.get(k)) for k in ["done"] + keys) + " |" for p in series]
     lines += [
         "",
         "| drafting | value |", "|---|---|",
