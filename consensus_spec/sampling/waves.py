@@ -51,20 +51,19 @@ class Schedule:
     nearly empty batch.
 
     Default waves ``(2,)``, waves of 2 (at n=16: votes after 2, 4, ..., 14
-    paths), with ``fill_idle``.  The default
-    :class:`~consensus_spec.sampling.stopping.StopRule` cannot stop on fewer
-    than 4 votes out of 16 (4 of 4 agreeing is its first stop), but more
-    check points save tokens on contested problems, and idle fill removes
-    the serial tail that made small waves slow.  Measured with the default
-    rule: ``python -m evals waves-sim`` on a 200-problem n=16 plain run of the
-    embedded model (5 path orders, CPU step-cost model, capacity 256): waves
-    of 2 use 71% of the plain run's tokens and an estimated 71% of its wall
-    time (waves of 4: 74% / 74%; ``(3, 4)`` 78%; ``(1, 2, 4, rest)`` 83%;
-    without idle fill waves of 2 take 116% of the plain run's engine steps),
-    99.6–99.8% (worst order 99.0%) agreement with the full-16 vote;
-    ``python -m evals waves`` on the shared traces at 64 rows with consensus
-    drafting: projected time to all answers 1.99x (waves of 4: 1.76x) on
-    gsm8k n=8 and 6.78x (6.31x) on addsub n=40, agreement unchanged.
+    paths), with ``fill_idle``.  More check points save tokens on contested
+    problems, and idle fill removes the serial tail that made small waves
+    slow.  Measured with the default
+    :class:`~consensus_spec.sampling.stopping.StopRule` (sequential, error
+    0.2): ``python -m evals waves-sim`` on a 200-problem n=16 run of the
+    embedded model (5 path orders, CPU step-cost model, capacity 256), with
+    consensus drafting: waves of 2 use 73.6% of the full run's tokens and an
+    estimated 73.8% of its wall time (waves of 4: 76.9%; ``(3, 4)`` 80.7%;
+    ``(1, 2, 4, rest)`` 85.2%), 100% agreement with the full-16 vote in all
+    5 orders; ``python -m evals waves --rows 64`` on the shared traces,
+    3 path orders: projected H200 time to all answers (from measured step
+    costs, not a GPU run) 2.02x (waves of 4: 1.78x)
+    on gsm8k n=8 and 5.80x (5.64x) on addsub n=40, agreement 100% and 99.9%.
     """
 
     waves: tuple[int | str, ...] = DEFAULT_WAVES
