@@ -135,9 +135,10 @@ class SuffixForest:
 
     def tidy(self, slots: int = TIDY_SLOTS) -> None:
         """Bounded work a step, off the hot path: clear the next ``slots`` of
-        the dropped half's edge table, or write the next ones of a fresh
-        spare table (so its pages are committed before it is used, not one
-        page fault per random insert)."""
+        the dropped half's edge table, or, once the young half is half full
+        (a rotation is coming), write the next ones of a fresh spare table,
+        so its pages are committed before it is used, not one page fault per
+        random insert, and not before they are needed."""
         if self._dirty is not None:
             start = self._spare_done
             end = min(start + slots, self._slots)
@@ -145,7 +146,7 @@ class SuffixForest:
             self._spare_done = end
             if end == self._slots:
                 self._spare, self._dirty, self._spare_done = self._dirty, None, self._slots
-        elif self._spare_done < self._slots:
+        elif self._spare_done < self._slots and self.fill(self.young) > 0.5:
             start = self._spare_done
             end = min(start + slots * PAGE_SLOTS // 16, self._slots)  # writes one slot a page
             self._spare[start:end:PAGE_SLOTS, 1] = 0
