@@ -66,28 +66,40 @@ class ProposerCounters:
     """Mixed into vLLM's worker by ``--worker-extension-cls``; called through
     ``POST /collective_rpc {"method": "consensus_spec_counters"}`` (dev mode)."""
 
-    def consensus_spec_counters(self):
+    def consensus_spec_counters(self, trim: str = ""):
+        """``trim="1"``: also hand freed heap back to the OS (glibc
+        ``malloc_trim``) and report the RSS after it: what of the growth is
+        live memory and what is heap the allocator kept."""
         runner = getattr(self, "model_runner", None)
         drafter = getattr(runner, "drafter", None)
         counters = getattr(drafter, "counters", None)
+        out = {"proposer": type(drafter).__name__ if drafter is not None else None}
+        if trim:
+            out["worker_rss_before_trim_mb"] = _self_rss_mb()
+            import ctypes
+            ctypes.CDLL(None).malloc_trim(0)
         if counters is None:
-            return {"proposer": type(drafter).__name__ if drafter is not None else None}
-        out = {"proposer": type(drafter).__name__, **counters()}
+            out["worker_rss_mb"] = _self_rss_mb()
+            return out
+        out.update(counters())
         # MB held in the drafting state's arrays (trie arena, hash table, row tracking)
         parts = {"drafter": getattr(drafter, "drafter", None), "rows": getattr(drafter, "rows", None)}
         parts["forest"] = getattr(parts["drafter"], "forest", None)
         out["arrays_mb"] = {name: round(sum(v.nbytes for v in vars(obj).values()
                                             if type(v).__name__ == "ndarray") / 2**20, 1)
                             for name, obj in parts.items() if obj is not None}
-        try:
-            with open("/proc/self/status") as f:
-                out["worker_rss_mb"] = next(int(line.split()[1]) for line in f
-                                            if line.startswith("VmRSS:")) // 1024
-        except (OSError, StopIteration, ValueError):
-            pass
+        out["worker_rss_mb"] = _self_rss_mb()
         import sys as _sys
         out["python_blocks"] = _sys.getallocatedblocks()  # pymalloc blocks: Python objects
         return out
+
+
+def _self_rss_mb() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) // 1024
+    except (OSError, StopIteration, ValueError):
+        return None
 
 
 EXTENSION = f"{__name__ if __name__ != '__main__' else 'tests.server_soak'}.ProposerCounters"
@@ -147,7 +159,8 @@ def logging_env(log_dir: Path) -> dict:
 
 
 def server_command(model: str, port: int, spec: bool, num_speculative_tokens: int = 8,
-                   options: dict | None = None, extra: list[str] | None = None) -> list[str]:
+                   options: dict | None = None, extra: list[str] | None = None,
+                   probe: bool = False) -> list[str]:
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--served-model-name", SERVED_NAME, "--host", HOST, "--port", str(port),
            "--gpu-memory-utilization", "0.1", "--max-model-len", str(MAX_MODEL_LEN),
@@ -158,6 +171,8 @@ def server_command(model: str, port: int, spec: bool, num_speculative_tokens: in
                     "num_speculative_tokens": num_speculative_tokens}),
                 "--additional-config", json.dumps({"consensus_spec": options or {"max_depth": 8}}),
                 "--worker-extension-cls", EXTENSION]
+    elif probe:
+        cmd += ["--worker-extension-cls", EXTENSION]
     return cmd + list(extra or [])
 
 
@@ -363,7 +378,7 @@ def tree_rss_mb(pid: int) -> tuple[float, dict[int, float]]:
 
 
 # proposer counters read at each RSS sample, to tell what grows
-ATTRIBUTION = ("worker_rss_mb", "python_blocks", "trie_nodes", "arena_bytes", "live_paths",
+ATTRIBUTION = ("worker_rss_mb", "worker_rss_before_trim_mb", "python_blocks", "trie_nodes", "arena_bytes", "live_paths",
                "path_slots", "parked_paths", "live_groups", "num_groups", "evictions")
 
 
@@ -710,13 +725,15 @@ def scrape_metrics(base_url: str) -> dict:
     return out
 
 
-def proposer_counters(base_url: str) -> dict | None:
+def proposer_counters(base_url: str, trim: bool = False) -> dict | None:
     """The proposer's counters from the engine (dev-mode /collective_rpc)."""
     import requests
 
+    body = {"method": "consensus_spec_counters", "timeout": 30}
+    if trim:
+        body["kwargs"] = {"trim": "1"}
     try:
-        r = requests.post(base_url + "/collective_rpc", json={"method": "consensus_spec_counters",
-                                                              "timeout": 30}, timeout=40)
+        r = requests.post(base_url + "/collective_rpc", json=body, timeout=40)
     except requests.RequestException as e:
         return {"error": str(e)}
     if r.status_code != 200:
@@ -761,7 +778,7 @@ def soak(num_requests: int = 200, threads: int = 16, n: int = 8, greedy_count: i
          bad_rounds: int = 3, log_dir: str | Path | None = None, deadline_s: float = 1800.0,
          seed: int = 0, parallel_start: bool = False, control: bool = False,
          options: dict | None = None, verbose: bool = True,
-         rss_every: int | None = None) -> dict:
+         rss_every: int | None = None, trim: bool = False) -> dict:
     """Run everything and return the report dict (never raises for a server
     or request failure: that is recorded under ``error`` and fails a check).
 
@@ -787,15 +804,16 @@ def soak(num_requests: int = 200, threads: int = 16, n: int = 8, greedy_count: i
                                "greedy_prompts": greedy_count, "bad_rounds": bad_rounds,
                                "max_model_len": MAX_MODEL_LEN, "model": model,
                                "parallel_start": parallel_start, "control": control,
-                               "options": options or {"max_depth": 8},
+                               "options": options or {"max_depth": 8}, "trim": trim,
                                "log_dir": str(log_dir)}}
     t_all = time.monotonic()
     log_env = logging_env(log_dir)
     spec = Server("spec", [], free_port(), log_dir / "spec_server.log",
                   env={**log_env, "VLLM_SERVER_DEV_MODE": "1"})  # dev mode: /collective_rpc
     spec.cmd = server_command(model, spec.port, spec=True, options=options)
-    plain = Server("plain", [], free_port(), log_dir / "plain_server.log", env=log_env)
-    plain.cmd = server_command(model, plain.port, spec=False)
+    plain = Server("plain", [], free_port(), log_dir / "plain_server.log",
+                   env={**log_env, "VLLM_SERVER_DEV_MODE": "1"} if trim else log_env)
+    plain.cmd = server_command(model, plain.port, spec=False, probe=trim)
     report["spec_server"] = {"cmd": spec.cmd}
     report["plain_server"] = {"cmd": plain.cmd}
     spec_greedy = plain_greedy = None
@@ -814,7 +832,7 @@ def soak(num_requests: int = 200, threads: int = 16, n: int = 8, greedy_count: i
                 f"from {threads} threads")
             stage = "soak"
             rss = RssCheckpoints(spec.proc.pid, num_requests, rss_every,
-                                 probe=lambda: proposer_counters(spec.base_url))
+                                 probe=lambda: proposer_counters(spec.base_url, trim))
             rss.sample(0)
             report["soak"] = run_soak(spec, reqs, threads, n, bad_rounds, deadline_s, rss.on_done)
             rss.sample(num_requests)
@@ -856,7 +874,9 @@ def soak(num_requests: int = 200, threads: int = 16, n: int = 8, greedy_count: i
         if control:
             stage = "control soak on plain server"
             say(f"[soak] control: the same soak on the plain server")
-            rss = RssCheckpoints(plain.proc.pid, num_requests, rss_every)
+            rss = RssCheckpoints(plain.proc.pid, num_requests, rss_every,
+                                 probe=(lambda: proposer_counters(plain.base_url, True)) if trim
+                                 else None)
             rss.sample(0)
             ctrl = run_soak(plain, reqs, threads, n, bad_rounds, deadline_s, rss.on_done)
             rss.sample(num_requests)
@@ -981,10 +1001,12 @@ def markdown(report: dict) -> str:
                          f"{pp['end_mb']} ({pp['first_half_growth_mb']} / {pp['second_half_growth_mb']}) |")
         lines.append(f"| control: ok / failed, wall, requests/s, tokens/s | {cs['ok']} / {cs['failed']}, "
                      f"{cs['wall_s']} s, {cs['requests_per_s']}, {cs['tokens_per_s']} |")
-    series = rss.get("proposer_series") or []
-    if series:
+    for name, r in (("spec server", rss), ("control", (ctrl or {}).get("rss", {}))):
+        series = r.get("proposer_series") or []
+        if not series:
+            continue
         keys = [k for k in ATTRIBUTION if any(p.get(k) is not None for p in series)]
-        lines += ["", "Attribution: the proposer's counters at each RSS sample (engine process)", "",
+        lines += ["", f"Attribution, {name}: the engine worker's counters at each RSS sample", "",
                   "| requests done | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
         lines += ["| " + " | ".join(str(p.get(k)) for k in ["done"] + keys) + " |" for p in series]
     lines += [
@@ -1043,11 +1065,15 @@ def main(argv=None) -> int:
                     help="also run the soak on the plain server (memory/throughput baseline)")
     ap.add_argument("--options", type=json.loads, default=None,
                     help='proposer options as JSON (default {"max_depth": 8})')
+    ap.add_argument("--trim", action="store_true",
+                    help="at each RSS sample, hand the engine worker's freed heap back to the OS "
+                         "(malloc_trim) and report RSS before and after: live memory vs kept heap")
     ap.add_argument("--out", default="results/soak.json")
     args = ap.parse_args(argv)
     report = soak(args.requests, args.threads, args.n, args.greedy, args.bad_rounds,
                   args.log_dir, args.deadline, parallel_start=args.parallel_start,
-                  control=args.control, options=args.options, rss_every=args.rss_every)
+                  control=args.control, options=args.options, rss_every=args.rss_every,
+                  trim=args.trim)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1, default=str) + "\n")

@@ -31,6 +31,7 @@ import sys
 import time
 
 from .configs import DEFAULT_MAX_TOKENS, Parser, UsageError
+from ..options import parse_options
 from .llm import add_engine_args, build_llm, on_cpu, resolve_model, shutdown
 
 # meta fields that must match to append to an existing file
@@ -54,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--speculative", choices=("none", "consensus"), default="none",
                     help="consensus drafting while recording (lossless: same distribution)")
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens with --speculative consensus")
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="consensus option with --speculative consensus, e.g. cost_model=off "
+                         "(repeatable; replay the traces with the same ones to compare tau)")
     ap.add_argument("--batch-size", type=int, default=16, help="problems per generate call and write")
     ap.add_argument("--seed", type=int, default=0, help="engine seed")
     add_engine_args(ap)
@@ -73,7 +77,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise UsageError("--gpu-memory-utilization must be in (0, 1]")
     if args.max_model_len is not None and args.max_model_len < 16:
         raise UsageError("--max-model-len must be >= 16")
-    args.drafter_options = {}  # llm.build_llm -> spec_config reads these
+    try:
+        args.drafter_options = parse_options(args.option)  # llm.build_llm reads these
+    except ValueError as e:
+        raise UsageError(str(e))
+    if args.drafter_options:
+        if args.speculative != "consensus":
+            raise UsageError("--option applies to --speculative consensus only")
+        from consensus_spec import engine_args
+        try:
+            engine_args(args.k, **args.drafter_options)
+        except (TypeError, ValueError) as e:
+            raise UsageError(f"bad --option: {e}")
     args.ngram_lookup = None
     return args
 
@@ -227,6 +242,7 @@ def main(argv=None) -> int:
         meta = dict(model=name, dataset=args.dataset, n=args.n, temperature=args.temperature,
                     top_p=args.top_p, max_tokens=args.max_tokens or DEFAULT_MAX_TOKENS[kind],
                     seed=args.seed, logprobs=args.logprobs, speculative=args.speculative,
+                    speculative_options=args.drafter_options, k=args.k,
                     dtype=args.dtype, **meta_versions)
         done, old_meta = read_recorded(args.out, log=lambda m: print(m, file=sys.stderr))
         check_resume(args.out, old_meta, meta)
