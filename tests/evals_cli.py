@@ -64,3 +64,24 @@ def recorded_tokens(problems) -> int:
 def read_json(path):
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+def char_tokenizer(path) -> str:
+    """A tokenizer.json that gives each character its code point (what text
+    traces are tokenized with when a test passes ``--tokenizer``)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({chr(i): i for i in range(32, 127)}, unk_token="?"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    tok.save(str(path))
+    return str(path)
+
+
+def synthetic_problems(n_problems=4, n_samples=6):
+    """Siblings sharing a prefix, with one of three endings."""
+    out = []
+    for p in range(n_problems):
+        base = [30 + p, 31, 32, 33, 34, 35, 36, 37]
+        comps = [base + ([40 + (s % 2), 42, 43, 44] if s % 3 else [50, 51]) + [EOS] for s in range(n_samples)]
+        out.append((f"p{p}", [1000 + p] + list(range(10, 20)), comps))
+    return out
