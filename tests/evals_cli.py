@@ -1,6 +1,6 @@
 """The evals tools as a user runs them: ``python -m evals <command> ...`` in a
 subprocess from the repository root, on small fixtures the tests write.
-Tests never import evals: its command line is its interface."""
+No test imports the evals package: its command line is its interface."""
 
 from __future__ import annotations
 
