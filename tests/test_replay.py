@@ -1,99 +1,69 @@
+"""The replay engine and its projection, through ``python -m evals replay``
+on trace files the tests write: every recorded token is produced once, the
+drafts are judged against the recorded future, and the figures are projected
+on a step-cost table."""
+
 import json
 import os
-import subprocess
-import sys
+import textwrap
 
 import pytest
 
-from evals.replay.drafters import make_drafter
-from evals.replay.projection import StepCosts
-from evals.replay.engine import replay
-from evals.traces import Problem, TraceError, TraceTokenizer, load_problems, load_tokenizer
+from tests.evals_cli import (STEP_COSTS, TRACES, char_tokenizer, ok, read_json, recorded_tokens, run_evals,
+                             synthetic_problems, write_traces)
 
-FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
-# 16 synthetic problems x 8 samples of the embedded model, recorded with
-#   python -m evals record --out tests/fixtures/embedded_n8.jsonl --dataset synthetic --limit 16
-#       --n 8 --max-tokens 96 --temperature 0.8 --dtype float32 --max-model-len 512 --seed 0
-TRACES = os.path.join(FIXTURES, "embedded_n8.jsonl")
-# COST_MODELS["h200_7b"].step_ms at B 1..128, q 1..17, rounded (the budget's own H200 model,
-# standing in for ../shared/data/costs; tests/test_budget.py says how it was made)
-STEP_COSTS = os.path.join(FIXTURES, "step_costs.jsonl")
+SETS = {"a": synthetic_problems(4, 6), "b": synthetic_problems(6, 6), "c": synthetic_problems(5, 7)}
 
 
-def run_evals(*args, timeout=300):
-    """``python -m evals ARGS`` from the repository root, as a user runs it."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return subprocess.run([sys.executable, "-m", "evals", *args], cwd=root, capture_output=True,
-                          text=True, timeout=timeout)
+def replay_args(*traces, methods=("none", "consensus"), batches=(8,), k=4, extra=()):
+    return ["replay", "--traces", *traces, "--methods", *methods, "--batches", *map(str, batches), "--k", str(k),
+            "--schedules", "fixed", "--sweep-k", "0", "--online", "off", "--repeats", "1", "--costs", STEP_COSTS,
+            "--host-time", "none", *extra]
 
 
-class CharTokenizer:
-    """Stands in for a `tokenizers.Tokenizer`: one token per character."""
-
-    class _Enc:
-        def __init__(self, ids):
-            self.ids = ids
-
-    def encode_batch(self, texts):
-        return [self._Enc([ord(c) for c in t]) for t in texts]
-
-
-def synthetic_problems(n_problems=4, n_samples=6):
-    problems = []
-    for p in range(n_problems):
-        prompt = [1000 + p] + list(range(10, 20))
-        base = [30 + p, 31, 32, 33, 34, 35, 36, 37]
-        comps = []
-        for s in range(n_samples):
-            tail = [40 + (s % 2), 42, 43, 44] if s % 3 else [50, 51]
-            comps.append(base + tail + [2])
-        problems.append(Problem(f"p{p}", prompt, comps))
-    return problems
+@pytest.fixture(scope="module")
+def synthetic_run(tmp_path_factory):
+    """{(set, batch, method, scouts): result} for sets a (4 x 6), b (6 x 6), c (5 x 7)
+    at 8 and 3 rows, scouts 0 and 1."""
+    tmp = tmp_path_factory.mktemp("replay")
+    traces = [write_traces(tmp / f"{name}.jsonl", probs) for name, probs in SETS.items()]
+    ok(run_evals(*replay_args(*traces, batches=(8, 3), extra=("--scouts", "0", "1", "--out", tmp / "r"))))
+    return {(r["traces"], r["batch"], r["method"], r["scouts"]): r for r in read_json(tmp / "r.json")["results"]}
 
 
-def run(method, problems, scouts=0, k=4, rows=8):
-    max_len = max(len(p.prompt) + max(map(len, p.completions)) for p in problems) + k + 2
-    return replay(problems, make_drafter(method, k, max_len, rows), method, k, rows, scouts)
+def test_no_drafting_takes_one_token_per_step(synthetic_run):
+    s = synthetic_run[("a", 8, "none", 0)]
+    total = recorded_tokens(SETS["a"])  # first token comes from prefill
+    assert s["tokens"] == total and s["row_steps"] == total
+    assert s["tau"] == 1.0 and s["drafted"] == 0
 
 
-def test_no_drafting_takes_one_token_per_step():
-    problems = synthetic_problems()
-    s = run("none", problems)
-    total = sum(len(c) - 1 for p in problems for c in p.completions)  # first token comes from prefill
-    assert s.tokens == total and s.row_steps == total
-    assert s.tau == 1.0 and s.drafted == 0
-
-
-def test_consensus_reproduces_the_trace_and_accepts_sibling_text():
-    problems = synthetic_problems()
-    s = run("consensus", problems)
-    total = sum(len(c) - 1 for p in problems for c in p.completions)
-    assert s.tokens == total  # every recorded token is produced exactly once
-    assert s.tau > 1.5 and 0 < s.acceptance <= 1
+def test_consensus_reproduces_the_trace_and_accepts_sibling_text(synthetic_run):
+    s = synthetic_run[("a", 8, "consensus", 0)]
+    assert s["tokens"] == recorded_tokens(SETS["a"])  # every recorded token is produced exactly once
+    assert s["tau"] > 1.5 and 0 < s["acceptance"] <= 1
     # each step yields accepted + 1 tokens, except a final step whose draft ran to EOS
-    assert s.tokens - s.row_steps <= s.accepted <= s.tokens
+    assert s["tokens"] - s["row_steps"] <= s["accepted"] <= s["tokens"]
 
 
-def test_scouts_let_followers_draft_from_finished_siblings():
-    problems = synthetic_problems(n_problems=6, n_samples=6)
-    s0, s1 = run("consensus", problems, 0), run("consensus", problems, 1)
-    assert s1.tokens == s0.tokens
-    assert s1.tau > s0.tau
+def test_scouts_let_followers_draft_from_finished_siblings(synthetic_run):
+    s0, s1 = synthetic_run[("b", 8, "consensus", 0)], synthetic_run[("b", 8, "consensus", 1)]
+    assert s1["tokens"] == s0["tokens"]
+    assert s1["tau"] > s0["tau"]
 
 
-def test_condense_keeps_rows_consistent_with_small_batches():
-    problems = synthetic_problems(n_problems=5, n_samples=7)
-    s = run("consensus", problems, rows=3)
-    assert s.tokens == sum(len(c) - 1 for p in problems for c in p.completions)
+def test_condense_keeps_rows_consistent_with_small_batches(synthetic_run):
+    s = synthetic_run[("c", 3, "consensus", 0)]
+    assert s["tokens"] == recorded_tokens(SETS["c"])
 
 
 def test_bad_trace_files_give_clear_errors_or_skips(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    with pytest.raises(TraceError, match="no replayable problems"):
-        load_problems(str(empty), CharTokenizer())
-    with pytest.raises(TraceError, match="not found"):
-        load_problems(str(tmp_path / "missing.jsonl"), CharTokenizer())
+    out = run_evals(*replay_args(empty, extra=("--out", tmp_path / "r")))
+    assert out.returncode == 2 and "no replayable problems" in out.stderr
+    out = run_evals(*replay_args(tmp_path / "missing.jsonl", extra=("--out", tmp_path / "r")))
+    assert out.returncode == 2 and "not found" in out.stderr
     mixed = tmp_path / "mixed.jsonl"
     rows = [
         {"prompt": "q1", "completions": ["only one"]},
@@ -102,11 +72,13 @@ def test_bad_trace_files_give_clear_errors_or_skips(tmp_path):
         "not json",
     ]
     mixed.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows))
-    messages = []
-    problems = load_problems(str(mixed), CharTokenizer(), log=messages.append)
-    assert [p.id for p in problems] == ["line2"]
-    assert len(problems[0].completions) == 2  # the empty completion is dropped
-    assert any("fewer than 2" in m for m in messages) and any("invalid JSON" in m for m in messages)
+    tokenizer = char_tokenizer(tmp_path / "chars.json")
+    out = run_evals(*replay_args(mixed, methods=("none",), extra=("--tokenizer", tokenizer, "--out", tmp_path / "r")))
+    assert ok(out) and "Traceback" not in out.stderr
+    assert "fewer than 2" in out.stdout and "invalid JSON" in out.stdout
+    (r,) = read_json(tmp_path / "r.json")["results"]
+    # only line 2 is replayed, its empty completion dropped: "a" and "b" (+ EOS), one token each after prefill
+    assert r["problems"] == 1 and r["tokens"] == r["row_steps"] == 2
 
 
 def test_cli_reports_errors_without_traceback(tmp_path):
@@ -118,105 +90,126 @@ def test_cli_reports_errors_without_traceback(tmp_path):
     assert "no replayable problems" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_projection_matches_the_formula():
-    rows = [{"B": 16, "q": q, "ms": ms} for q, ms in ((1, 10.0), (2, 11.0), (3, 13.0))]
-    costs = StepCosts(rows)
-    assert costs.step_ms(16, 2.5) == pytest.approx(12.0)
-    # tau 2, 1.5 drafts per step, 100 µs per row over 16 rows = 1.6 ms
-    assert costs.speedup(16, 2.0, 1.5, 100.0) == pytest.approx(2.0 * 10.0 / (12.0 + 1.6))
-    with pytest.raises(ValueError):
-        costs.step_ms(64, 1.0)
+def test_projection_matches_the_formula(tmp_path):
+    """A saved result projected afresh (--from-json) on a three-entry cost table."""
+    costs = tmp_path / "costs.jsonl"
+    costs.write_text("".join(json.dumps({"B": 16, "q": q, "ms": ms}) + "\n"
+                             for q, ms in ((1, 10.0), (2, 11.0), (3, 13.0))))
+    base = {"traces": "t", "problems": 1, "scouts": 0, "run": 0, "tau": 2.0, "drafts_per_step": 1.5,
+            "cpu_us_per_row": 100.0}
+    saved = tmp_path / "saved.json"
+    saved.write_text(json.dumps({"results": [{**base, "method": "consensus", "batch": 16},
+                                             {**base, "method": "consensus", "batch": 64}]}))
+    ok(run_evals("replay", "--from-json", saved, "--costs", costs, "--host-time", "none", "--out", tmp_path / "p"))
+    at16, at64 = read_json(tmp_path / "p.json")["results"]
+    # T(16, 2.5) = 12 between the table's rows; tau 2, 100 µs per row over 16 rows = 1.6 ms
+    assert at16["speedup"] == pytest.approx(2.0 * 10.0 / (12.0 + 1.6))
+    assert "speedup" not in at64  # a batch size the table lacks is not projected
 
 
-def test_recorded_traces_consensus_beats_no_drafting(tmp_path):
-    out = run_evals("replay", "--traces", TRACES, "--limit", "3", "--methods", "none", "consensus",
-                    "--scouts", "0", "--batches", "16", "--schedules", "fixed",
-                    "--costs", STEP_COSTS, "--host-time", "none", "--out", str(tmp_path / "r"))
-    assert out.returncode == 0, out.stderr
-    results = json.loads((tmp_path / "r.json").read_text())["results"]
-    tau = {r["method"]: r["tau"] for r in results}
-    speedup = {r["method"]: r["speedup"] for r in results}
-    # the embedded model's siblings share most of their text: tau 2.0 on these three problems
-    assert tau["none"] == 1.0 and tau["consensus"] > 1.5
-    assert speedup["none"] == 1.0 and speedup["consensus"] > 1.0
+FLOOR_OFF = """
+    import os
+
+    if os.environ.get("FLOOR_LOG"):  # the budget's floor noted, then ignored (0: nothing pruned)
+        from consensus_spec.budget import DraftBudget
+
+        _real = DraftBudget.floor
+
+        def floor(self, b):
+            with open(os.environ["FLOOR_LOG"], "a") as f:
+                f.write(f"{_real(self, b)}\\n")
+            return 0.0
+
+        DraftBudget.floor = floor
+"""
 
 
-def test_budget_floor_only_skips_drafting_that_could_not_pay(monkeypatch):
+@pytest.fixture(scope="module")
+def fixture_run(tmp_path_factory):
+    """The recorded fixture (16 x 8 paths: one batch of 128 rows) replayed
+    with a tokenizer file that cannot load: (results by method, stderr)."""
+    tmp = tmp_path_factory.mktemp("recorded")
+    bogus = tmp / "not-a-tokenizer.json"
+    bogus.write_text("not a tokenizer")
+    out = run_evals(*replay_args(TRACES, batches=(128,), k=8, extra=("--tokenizer", bogus, "--out", tmp / "r")))
+    ok(out)
+    return {r["method"]: r for r in read_json(tmp / "r.json")["results"]}, bogus
+
+
+def test_budget_floor_only_skips_drafting_that_could_not_pay(fixture_run, tmp_path):
     """The drafter stops walking below the budget's floor; what it sends must
     be exactly what the budget would have kept from full-length drafts."""
-    from consensus_spec.budget import DraftBudget
-
-    problems = load_problems(TRACES)  # 16 x 8 paths: one batch of 128 rows
-    pruned = run("consensus", problems, k=8, rows=128)
-    floors = []
-    real_floor = DraftBudget.floor
-    monkeypatch.setattr(DraftBudget, "floor", lambda self, b: floors.append(real_floor(self, b)) or 0.0)
-    full = run("consensus", problems, k=8, rows=128)
-    assert max(floors) > 0.1  # the floor did prune at this batch size
-    assert (pruned.tokens, pruned.row_steps, pruned.drafted, pruned.accepted) == \
-        (full.tokens, full.row_steps, full.drafted, full.accepted)
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(FLOOR_OFF))
+    log = tmp_path / "floors.txt"
+    ok(run_evals(*replay_args(TRACES, methods=("consensus",), batches=(128,), k=8, extra=("--out", tmp_path / "r")),
+                 env={"PYTHONPATH": str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                      "FLOOR_LOG": str(log)}))
+    full = read_json(tmp_path / "r.json")["results"][0]
+    pruned = fixture_run[0]["consensus"]
+    assert max(float(x) for x in log.read_text().split()) > 0.1  # the floor did prune at this batch size
+    assert (pruned["tokens"], pruned["row_steps"], pruned["drafted"], pruned["accepted"]) == \
+        (full["tokens"], full["row_steps"], full["drafted"], full["accepted"])
 
 
 # --- recorded traces (python -m evals record) --------------------------------
 
 
-def test_recorded_ids_replay_without_a_tokenizer():
+def test_recorded_ids_replay_without_a_tokenizer(fixture_run, tmp_path):
     rows = [json.loads(line) for line in open(TRACES)]
-    problems = load_problems(TRACES)  # no tokenizer: the ids are in the file
-    assert [p.id for p in problems] == [r["id"] for r in rows]
-    for p, r in zip(problems, rows):
-        eos = r["meta"]["eos_token_id"]
-        assert p.prompt == r["prompt_ids"]
-        assert len(p.completions) == len(r["completions"]) == len(r["answers"]) == 8
-        for got, ids, why in zip(p.completions, r["completion_ids"], r["finish_reasons"]):
-            assert got[-1] == eos  # every path ends with EOS, as in text traces
-            assert got == (ids if why == "stop" else ids + [eos])
-    tokenizer = load_tokenizer(None)
-    load_problems(TRACES, tokenizer)
+    none = fixture_run[0]["none"]
+    for r in rows:
+        assert len(r["completions"]) == len(r["completion_ids"]) == len(r["answers"]) == 8
+    # replayed as recorded (no tokenizer: the one given cannot load): every path
+    # ends with EOS, added where the recorded ids stopped at the length limit
+    assert none["problems"] == len(rows) == 16
+    assert none["tokens"] == none["row_steps"] == sum(
+        len(ids) + (why != "stop") - 1 for r in rows for ids, why in zip(r["completion_ids"], r["finish_reasons"]))
+    assert all(ids[-1] == r["meta"]["eos_token_id"] for r in rows
+               for ids, why in zip(r["completion_ids"], r["finish_reasons"]) if why == "stop")
     # the recorded texts tokenize to their ids without loading a tokenizer (the stopping
-    # and waves replays count tokens through encode_batch)
-    first = rows[0]
-    assert [e.ids for e in tokenizer.encode_batch(first["completions"])] == \
-        [ids[:-1] if ids[-1] == first["meta"]["eos_token_id"] else ids for ids in first["completion_ids"]]
-    assert tokenizer._tokenizer is None
+    # and waves replays count tokens through encode_batch): stop-rules runs with it
+    out = run_evals("stop-rules", "--traces", TRACES, "--limit", "2", "--perms", "1", "--tokenizer", fixture_run[1],
+                    "--out", tmp_path / "s.json")
+    assert ok(out) is not None and "Traceback" not in out.stderr
 
 
 def test_bad_recorded_files_name_the_line(tmp_path):
+    def replay(path, **kw):
+        return run_evals(*replay_args(path, methods=("none",), extra=("--out", tmp_path / "r")), **kw)
+
     good = json.dumps({"id": "a", "prompt": "q", "completions": ["x", "y"], "prompt_ids": [1, 5],
                        "completion_ids": [[7, 2], [8]], "meta": {"eos_token_id": 2}})
     path = tmp_path / "t.jsonl"
     path.write_text(good + "\n" + good.replace("[7, 2]", '["7", 2]') + "\n")
-    with pytest.raises(TraceError, match=r"line 2: completion_ids\[0\] must be a non-empty list of token ids"):
-        load_problems(str(path))
+    out = replay(path)
+    assert out.returncode == 2
+    assert "line 2: completion_ids[0] must be a non-empty list of token ids" in out.stderr
     path.write_text(good + "\n" + good.replace('"completions": ["x", "y"]', '"completions": ["x"]') + "\n")
-    with pytest.raises(TraceError, match="line 2: 2 completion_ids but 1 completions"):
-        load_problems(str(path))
+    out = replay(path)
+    assert out.returncode == 2 and "line 2: 2 completion_ids but 1 completions" in out.stderr
     path.write_text(good[:40] + "\n" + good + "\n")
-    with pytest.raises(TraceError, match="line 1: not valid JSON"):
-        load_problems(str(path))
+    out = replay(path)
+    assert out.returncode == 2 and "line 1: not valid JSON" in out.stderr
     path.write_text(good + "\n" + good[:40])  # an interrupted write: the last line is dropped
-    messages = []
-    (p,) = load_problems(str(path), log=messages.append)
-    assert p.completions == [[7, 2], [8, 2]]
-    assert any("line 2" in m and "truncated" in m for m in messages)
+    out = replay(path)
+    assert any("line 2" in m and "truncated" in m for m in ok(out).splitlines())
+    (r,) = read_json(tmp_path / "r.json")["results"]
+    assert r["problems"] == 1 and r["tokens"] == 2  # [7, 2] and [8, 2]: one token each after prefill
     text = tmp_path / "text.jsonl"
     text.write_text(json.dumps({"prompt": "q", "completions": ["x", "y"]}) + "\n")
-    with pytest.raises(TraceError, match="line 1: text without token ids"):
-        load_problems(str(text))
-    with pytest.raises(TraceError, match="tokenizer not found"):  # loaded when a text line needs it
-        load_problems(str(text), TraceTokenizer(str(tmp_path / "no-tokenizer.json")))
+    out = run_evals(*replay_args(text, methods=("none",), extra=(
+        "--tokenizer", tmp_path / "no-tokenizer.json", "--out", tmp_path / "r")))
+    assert out.returncode == 2 and "tokenizer not found" in out.stderr and "Traceback" not in out.stderr
 
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_record_writes_traces_that_resume_and_replay(tmp_path, monkeypatch, capsys):
-    from evals.math import record
-
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as the CLI runs on CPU
+def test_record_writes_traces_that_resume_and_replay(tmp_path):
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # as the CLI runs on CPU
     out = tmp_path / "rec.jsonl"
     common = ["--out", str(out), "--n", "2", "--max-tokens", "24", "--logprobs", "--dtype", "float32",
               "--max-model-len", "256", "--gpu-memory-utilization", "0.2", "--batch-size", "2"]
-    assert record.main(common + ["--limit", "2"]) == 0
+    ok(run_evals("record", *common, "--limit", "2", env=env))
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == ["synthetic-0", "synthetic-1"]
     for r in rows:
@@ -230,11 +223,13 @@ def test_record_writes_traces_that_resume_and_replay(tmp_path, monkeypatch, caps
     # an interrupted write: the resumed run drops the cut line and records it again
     text = out.read_text()
     out.write_text(text[:len(text) - 30])
-    capsys.readouterr()
-    assert record.main(common + ["--limit", "3"]) == 0
-    assert "line 2 is truncated" in capsys.readouterr().err
+    again = run_evals("record", *common, "--limit", "3", env=env)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert "line 2 is truncated" in again.stderr
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == \
         ["synthetic-0", "synthetic-1", "synthetic-2"]
-    assert record.main(common + ["--limit", "3", "--n", "3"]) == 2  # other settings: refused
-    assert "recorded with n=2" in capsys.readouterr().err
-    assert [p.id for p in load_problems(str(out))] == ["synthetic-0", "synthetic-1", "synthetic-2"]
+    refused = run_evals("record", *common, "--limit", "3", "--n", "3", env=env)
+    assert refused.returncode == 2  # other settings: refused
+    assert "recorded with n=2" in refused.stderr
+    ok(run_evals(*replay_args(out, methods=("none",), extra=("--out", tmp_path / "r"))))
+    assert read_json(tmp_path / "r.json")["results"][0]["problems"] == 3

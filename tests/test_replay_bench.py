@@ -12,7 +12,12 @@ from evals.replay.replay import main as replay_main
 from evals.replay.bench import pick_schedule, schedule_from_ks
 from evals.replay.report import targets
 from evals.traces import Problem
-from tests.test_replay import STEP_COSTS, TRACES, synthetic_problems
+from tests.evals_cli import STEP_COSTS, TRACES
+from tests.evals_cli import synthetic_problems as synthetic_tuples
+
+
+def synthetic_problems(n_problems=4, n_samples=6):
+    return [Problem(*t) for t in synthetic_tuples(n_problems, n_samples)]
 
 
 def repetitive_problems(n_problems=6, n_samples=6):

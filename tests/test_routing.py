@@ -21,6 +21,7 @@ from consensus_spec.sampling.routing import (
     request_pinning,
     shard,
 )
+from tests.evals_cli import TRACES, ok, read_json, recorded_tokens, run_evals, write_traces
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [f"Question: problem {i}\nAnswer:" for i in range(200)]
@@ -162,45 +163,55 @@ def test_request_pinning():
     assert request_pinning(object())(prompt) == {}  # a stand-in engine: nothing to pin
 
 
-# --- the DP replay's routings ------------------------------------------------
+# --- the DP replay's routings (python -m evals dp-replay) ---------------------
 
 def _problems(num, n):
-    from evals.traces import Problem
-    return [Problem(f"p{i}", [1000 + i, 5, 6], [[10 + s, i, 2] for s in range(n)]) for i in range(num)]
+    return [(f"p{i}", [1000 + i, 5, 6], [[10 + s, i, 2] for s in range(n)]) for i in range(num)]
 
 
-def test_replay_routes_siblings():
-    from evals.replay.dp_replay import route
+@pytest.fixture(scope="module")
+def dp_run(tmp_path_factory):
+    """dp-replay of 12 problems x 8 paths and 10 x 6 at D = 1, 2, 3, 8 over
+    8 rows: {(traces, D): row}."""
+    tmp = tmp_path_factory.mktemp("dp")
+    traces = [write_traces(tmp / "p12x8.jsonl", _problems(12, 8)), write_traces(tmp / "p10x6.jsonl", _problems(10, 6))]
+    ok(run_evals("dp-replay", "--traces", *traces, "--methods", "consensus", "--dp", "1", "2", "3", "8",
+                 "--rows", "8", "--option", "cost_model=off", "--no-baseline", "--out", tmp / "dp"))
+    return {(r["traces"], r["dp"]): r for r in read_json(tmp / "dp.json")["results"]}
+
+
+def test_replay_routes_siblings(dp_run):
     problems = _problems(12, 8)
-    rr = route(problems, 8, "round_robin")
-    assert all(len(p.completions) == 1 for share in rr for p in share)  # n = D: one sibling each
-    pinned = route(problems, 8, "pinned")
-    seen = collections.Counter(p.id for share in pinned for p in share)
+    rr = dp_run[("p12x8", 8)]["round_robin_shares"]
+    assert all(n == 1 for share in rr for _, n in share)  # n = D: one sibling each
+    pinned = dp_run[("p12x8", 8)]["pinned_shares"]
+    seen = collections.Counter(pid for share in pinned for pid, _ in share)
     assert set(seen.values()) == {1} and len(seen) == 12  # each problem on exactly one engine
-    assert all(len(p.completions) == 8 for share in pinned for p in share)
+    assert all(n == 8 for share in pinned for _, n in share)
     for routing in ("round_robin", "pinned"):
-        shares = route(problems, 3, routing)
-        assert sum(len(p.completions) for s in shares for p in s) == 12 * 8
-    assert route(problems, 1, "round_robin") == route(problems, 1, "pinned") == [problems]
-    with pytest.raises(ValueError):
-        route(problems, 2, "random")
+        shares = dp_run[("p12x8", 3)][f"{routing}_shares"]
+        assert len(shares) == 3 and sum(n for s in shares for _, n in s) == 12 * 8
+    # one engine: every problem with all its paths, in order (pinned is the same routing there)
+    assert dp_run[("p12x8", 1)]["round_robin_shares"] == [[[pid, len(c)] for pid, _, c in problems]]
+    assert dp_run[("p12x8", 1)]["pinned"] == dp_run[("p12x8", 1)]["round_robin"]
+    out = run_evals("dp-replay", "--traces", TRACES, "--dp", "2", "--rows", "1")
+    assert out.returncode == 2 and "--rows must be >= every --dp" in out.stderr
 
 
-def test_replay_dp_pinned_equals_separate_engines():
+def test_replay_dp_pinned_equals_separate_engines(dp_run, tmp_path):
     """A pinned engine is exactly one engine replaying its own problems."""
-    from evals.replay.dp_replay import replay_dp, route
-    from evals.replay.drafters import make_drafter
-    from evals.replay.engine import replay
-    problems = _problems(10, 6)
-    got = replay_dp(problems, "consensus", 4, 8, 2, "pinned", 40, {"cost_model": "off"})
-    tokens = steps = 0
-    for share in route(problems, 2, "pinned"):
-        if share:
-            s = replay(share, make_drafter("consensus", 4, 40, 4, {"cost_model": "off"}),
-                       "consensus", 4, 4)
-            tokens, steps = tokens + s.tokens, steps + s.row_steps
-    assert got["tokens"] == tokens == sum(len(c) - 1 for p in problems for c in p.completions)
-    assert got["tau"] == tokens / steps
+    problems = {pid: (pid, prompt, comps) for pid, prompt, comps in _problems(10, 6)}
+    got = dp_run[("p10x6", 2)]
+    shares = [write_traces(tmp_path / f"engine{e}.jsonl", [problems[pid] for pid, _ in share])
+              for e, share in enumerate(got["pinned_shares"]) if share]
+    ok(run_evals("dp-replay", "--traces", *shares, "--methods", "consensus", "--dp", "1", "--rows", "4",
+                 "--option", "cost_model=off", "--no-baseline", "--out", tmp_path / "one"))
+    alone = read_json(tmp_path / "one.json")["results"]
+    assert len(alone) == len(shares) and got["rows_per_engine"] == 4
+    tokens = sum(r["round_robin_tokens"] for r in alone)
+    steps = sum(r["round_robin_row_steps"] for r in alone)
+    assert got["pinned_tokens"] == tokens == recorded_tokens(problems.values())
+    assert got["pinned"] == tokens / steps
 
 
 # --- vLLM's front end honours the rank ---------------------------------------

@@ -141,7 +141,7 @@ def run_one(problems, ids, correct, n, method, schedule, rule, args, options):
         "aborted_tokens": stats.aborted_tokens,
         "tokens": tokens, "tokens_share": tokens / total_tokens, "agreement": agree / len(problems),
         "gold_maj": right / len(problems) if any(c is not None for c in correct) else None,
-        "steps": steps, "batch_fill": sum(stats.step_rows) / max(steps, 1) / args.rows,
+        "steps": steps, "row_steps": sum(stats.step_rows), "drafted": stats.drafted, "batch_fill": sum(stats.step_rows) / max(steps, 1) / args.rows,
         "schedule": schedule.describe(), "tau": stats.tau, "drafts_per_step": stats.drafts_per_step,
         "cpu_us_per_row": drafter.us_per_row, "replay_wall_s": wall,
         "_steps": (stats.step_rows, stats.step_drafted, drafter_ms),

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from ..options import parse_options
 from .device_route import device_us_per_row
-from .drafters import DEVICE_METHODS, make_drafter
+from .drafters import DEVICE_METHODS, make_drafter, schedule_lookup
 from .engine import VirtualClock, replay
 from .projection import HostTime, StepCosts, break_even_host_ms
 
@@ -102,6 +102,19 @@ class CpuTimed:
     def median_us_per_row(self) -> float:
         s = sorted(self.per_call)
         return s[len(s) // 2] if s else 0.0
+
+
+class CallLog:
+    """A drafter wrapped to note each call's rows and the draft lengths it returned."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.calls: list[list] = []
+
+    def __call__(self, sampled, batch):
+        drafts = self.fn(sampled, batch)
+        self.calls.append([len(sampled), sorted({len(d) for d in drafts})])
+        return drafts
 
 
 class LearningTrace:
@@ -191,7 +204,8 @@ class Bench:
             self.warmed.add(method)
         clock = self.clock(method)
         inner = build(clock)
-        drafter = CpuTimed(inner)
+        log = CallLog(inner) if getattr(self.args, "step_log", False) else None
+        drafter = CpuTimed(log or inner)
         learning = LearningTrace(inner.proposer, self.costs) if clock is not None else None
         n_paths = sum(len(p.completions) for p in problems)
         desc = f"{name} B={batch} {method}{tag} S={scouts}"
@@ -209,8 +223,12 @@ class Bench:
             row["learning"] = learning.summary()
             row["cost_counters"] = {key: value for key, value in inner.proposer.counters().items()
                                     if key.startswith(("steps_", "explore", "cost_model"))}
+        if log is not None:
+            row["calls"] = log.calls
+            row["steps"] = [[b, m] for b, m in zip(stats.step_rows, stats.step_drafted)]
         if schedule is not None:
             row["schedule"] = [list(e) for e in schedule]
+            row["k_by_rows"] = schedule_lookup(schedule, batch, k)  # the scheduled k at 0..batch rows
         if suffix_options:
             row["suffix_options"] = suffix_options
         return self.project(row)

@@ -70,7 +70,8 @@ def replay_dp(problems: list[Problem], method: str, k: int, rows: int, dp: int, 
         raise ValueError(f"--rows {rows} leaves no row per engine at dp={dp}")
     totals = dict(row_steps=0, tokens=0, drafted=0, accepted=0)
     loads = []  # paths per engine
-    for share in route(problems, dp, routing):
+    shares = route(problems, dp, routing)
+    for share in shares:
         loads.append(sum(len(p.completions) for p in share))
         if not share:
             continue
@@ -82,7 +83,8 @@ def replay_dp(problems: list[Problem], method: str, k: int, rows: int, dp: int, 
     return dict(method=method, dp=dp, routing=routing, rows_per_engine=per_engine, **totals,
                 tau=totals["tokens"] / max(totals["row_steps"], 1),
                 acceptance=totals["accepted"] / max(totals["drafted"], 1),
-                load_max_over_mean=max(loads) / mean_load if mean_load else 0.0)
+                load_max_over_mean=max(loads) / mean_load if mean_load else 0.0,
+                shares=[[[p.id, len(p.completions)] for p in share] for share in shares])
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -130,6 +132,10 @@ def run(args, log=print) -> list[dict]:
                     row[routing] = r["tau"]
                     row[f"{routing}_acceptance"] = r["acceptance"]
                     row[f"{routing}_load_max_over_mean"] = r["load_max_over_mean"]
+                    for key in ("tokens", "row_steps"):
+                        row[f"{routing}_{key}"] = r[key]
+                    # per engine: [problem id, paths routed to it] in submission order
+                    row[f"{routing}_shares"] = r["shares"]
                 if not args.no_baseline:
                     row["one_engine_rows_per_engine"] = (
                         row[ROUTINGS[0]] if dp == 1 else

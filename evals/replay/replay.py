@@ -60,6 +60,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "'none' to leave that view out")
     ap.add_argument("--schedules", choices=("sweep", "fixed"), default="sweep",
                     help="ngram/suffix k per batch size: the best of a sweep, or --k everywhere")
+    ap.add_argument("--schedule", nargs="+", metavar="LO-HI:K",
+                    help="one num_speculative_tokens_per_batch_size schedule for every method "
+                         "(vLLM applies it to ngram, suffix and device-lag*); no sweep")
+    ap.add_argument("--step-log", action="store_true",
+                    help="each result also lists its drafter calls ([rows, [draft lengths]]) and "
+                         "steps ([rows, tokens drafted])")
     ap.add_argument("--sweep-k", type=int, nargs="+", default=list(SWEEP_K), help="k values swept")
     ap.add_argument("--tune-limit", type=int, default=100, help="problems of each set the sweep runs on")
     ap.add_argument("--suffix-min-prob", type=float, nargs="+", default=[0.1],
@@ -87,6 +93,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="replay nothing: project the results of an earlier run's .json afresh "
                          "(e.g. on another --host-time or --costs table)")
     args = ap.parse_args(argv)
+    try:
+        args.schedule = parse_schedule(args.schedule)
+    except ValueError as e:
+        ap.error(str(e))
     if args.k < 1 or min(args.batches) < 1 or any(s < 0 for s in args.scouts):
         ap.error("--k and --batches must be >= 1 and --scouts >= 0")
     if args.limit is not None and args.limit < 1:
@@ -98,6 +108,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     if min(args.sweep_k) < 0 or max(args.sweep_k) > args.k:
         ap.error(f"--sweep-k values must be in 0..--k ({args.k})")
     return args
+
+
+def parse_schedule(entries) -> list[tuple[int, int, int]] | None:
+    """``LO-HI:K`` entries as vLLM's ``[(lo, hi, k), ...]``."""
+    if entries is None:
+        return None
+    out = []
+    for e in entries:
+        try:
+            span, k = e.split(":")
+            lo, hi = span.split("-")
+            out.append((int(lo), int(hi), int(k)))
+        except ValueError:
+            raise ValueError(f"--schedule expects LO-HI:K entries, got {e!r}") from None
+    return out
 
 
 def reproject(args) -> tuple[list[dict], list[dict], dict]:
@@ -126,7 +151,7 @@ def run(args) -> tuple[list[dict], list[dict], dict]:
         problems = load_problems(path, tokenizer, limit=args.limit)
         name = os.path.basename(path).removesuffix(".jsonl")
         tuned[name] = {}
-        if args.schedules == "sweep" and costs is not None:
+        if args.schedules == "sweep" and costs is not None and args.schedule is None:
             tune = problems[:args.tune_limit]
             for method in (m for m in SCHEDULABLE if m in args.methods):
                 rows = bench.sweep(tune, name, method)
@@ -145,7 +170,7 @@ def run(args) -> tuple[list[dict], list[dict], dict]:
                                and batch in args.repeat_batches else 1)
                     for i in range(repeats):
                         row = bench.run(problems, name, method, batch, scouts,
-                                        pick["schedule"] if pick else None,
+                                        pick["schedule"] if pick else args.schedule,
                                         (pick["params"] or None) if pick else None,
                                         tag=f" run {i + 1}" if repeats > 1 else "")
                         row["run"] = i
