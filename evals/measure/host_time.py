@@ -147,9 +147,17 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[16, 64, 128, 256])
     ap.add_argument("--steps", type=int, default=32, help="decode steps per batch size")
     ap.add_argument("--out", default="results/host_time.jsonl", help="JSONL table to write")
+    ap.add_argument("--from-steps", metavar="FILE",
+                    help="run no engine: summarize step records already taken (JSON lines "
+                         "{rows, tokens, step_wall, step_cpu, device_wall, device_cpu}, seconds) "
+                         "at each of --batches")
     args = ap.parse_args(argv)
     if min(args.batches) < 1 or args.steps < 4:
         ap.error("--batches must be >= 1 and --steps >= 4")
+    if args.from_steps:
+        with open(args.from_steps, encoding="utf-8") as f:
+            steps = [json.loads(line) for line in f if line.strip()]
+        return write_rows(args, [summarize(steps, b) for b in args.batches])
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the patches must reach the engine
     install()
     from vllm import LLM
@@ -159,13 +167,20 @@ def main(argv=None) -> int:
     model = args.model or model_path()
     llm = LLM(model=model, gpu_memory_utilization=0.25, max_num_seqs=max(args.batches),
               async_scheduling=False, seed=0)
+    name = os.path.basename(model.rstrip("/"))
+    # lazily: each row is printed as it is measured
+    return write_rows(args, (measure(llm, batch, args.steps) for batch in args.batches), name)
+
+
+def write_rows(args, measured, model: str | None = None) -> int:
+    """Print and write the table's rows (``measured``: one per --batches
+    entry, None where no step was seen)."""
     rows = []
-    for batch in args.batches:
-        row = measure(llm, batch, args.steps)
+    for batch, row in zip(args.batches, measured):
         if row is None:
             print(f"B={batch}: no pure decode step with {batch} rows was seen", file=sys.stderr)
             continue
-        rows.append({"model": os.path.basename(model.rstrip("/")), **row})
+        rows.append({"model": model, **row} if model else row)
         print(json.dumps(rows[-1]), flush=True)
     if not rows:
         return 1

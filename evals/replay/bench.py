@@ -219,6 +219,8 @@ class Bench:
                "cpu_us_per_row": drafter.us_per_row, "cpu_median_us_per_row": drafter.median_us_per_row}
         if hasattr(inner, "route_stats"):
             row.update(inner.route_stats())
+        if hasattr(inner, "budget_stats"):  # suffix-budget and consensus*: the budget's state
+            row["budget"] = inner.budget_stats()
         if learning is not None:
             row["learning"] = learning.summary()
             row["cost_counters"] = {key: value for key, value in inner.proposer.counters().items()

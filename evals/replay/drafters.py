@@ -133,6 +133,14 @@ class BudgetedSuffix:
         self.num_drafted += int(sum(keep))
         return [list(d[:n]) for d, n in zip(drafts, keep)]
 
+    def budget_stats(self) -> dict:
+        """What the budget sent and learned: draft tokens sent, accepted ones
+        among those judged, and the calibrator's (decaying) trial count
+        against its prior's."""
+        cal = self.budget.calibrator
+        return {"on": True, "drafted": self.num_drafted, "accepted_judged": self.num_accepted,
+                "calibration_trials": float(cal._trials.sum()), "calibration_prior_trials": cal.prior * cal.bins}
+
     def _observe(self, sampled, req_ids) -> None:
         judged = [(i, self._sent[r]) for i, r in enumerate(req_ids) if r in self._sent]
         self._sent = {}
@@ -150,6 +158,9 @@ class ProposerDrafter:
 
     def __init__(self, proposer):
         self.proposer = proposer
+
+    def budget_stats(self) -> dict:
+        return {"on": self.proposer.budget is not None}
 
     def __call__(self, sampled, batch):
         return self.proposer.propose(sampled, batch.num_tokens_no_spec, batch.token_ids_cpu)

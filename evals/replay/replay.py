@@ -92,6 +92,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--from-json", metavar="FILE",
                     help="replay nothing: project the results of an earlier run's .json afresh "
                          "(e.g. on another --host-time or --costs table)")
+    ap.add_argument("--repick", action="store_true",
+                    help="with --from-json: pick each set's schedules afresh from its saved sweep as "
+                         "projected here (what the sweep would choose on these tables; the results "
+                         "keep the schedules they ran with)")
     args = ap.parse_args(argv)
     try:
         args.schedule = parse_schedule(args.schedule)
@@ -105,6 +109,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--tune-limit and --repeats must be >= 1")
     if args.drafter_time_scale < 0 or args.host_time_scale < 0 or args.costs_slope_scale < 0:
         ap.error("--drafter-time-scale, --host-time-scale and --costs-slope-scale must be >= 0")
+    if args.repick and not args.from_json:
+        ap.error("--repick needs --from-json")
     if min(args.sweep_k) < 0 or max(args.sweep_k) > args.k:
         ap.error(f"--sweep-k values must be in 0..--k ({args.k})")
     return args
@@ -138,6 +144,12 @@ def reproject(args) -> tuple[list[dict], list[dict], dict]:
                         "speedup": {int(b): x for b, x in p["speedup"].items()}}
                     for m, p in by_method.items()}
              for name, by_method in saved.get("schedules", {}).items()}
+    if args.repick:
+        for key in dict.fromkeys((r["traces"], r["method"]) for r in sweeps):
+            rows = [r for r in sweeps if (r["traces"], r["method"]) == key and "speedup" in r]
+            if rows:
+                tuned.setdefault(key[0], {})[key[1]] = {**pick_schedule(rows),
+                                                        "tune_problems": rows[0].get("tune_problems")}
     return results, sweeps, tuned
 
 
