@@ -148,7 +148,8 @@ class SuffixForest:
                 self._spare, self._dirty, self._spare_done = self._dirty, None, self._slots
         elif self._spare_done < self._slots and self.fill(self.young) > 0.5:
             start = self._spare_done
-            end = min(start + slots * PAGE_SLOTS // 16, self._slots)  # writes one slot a page
+            pages = max(1, slots * 16 // 4096)  # as many pages as clearing writes, one slot each
+            end = min(start + pages * PAGE_SLOTS, self._slots)
             self._spare[start:end:PAGE_SLOTS, 1] = 0
             self._spare_done = end
 
