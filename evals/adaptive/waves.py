@@ -42,6 +42,7 @@ from ..replay.drafters import make_drafter
 from ..replay.projection import run_ms
 from ..replay.engine import replay
 from ..replay.bench import CpuTimed, DEFAULT_HOST_TIME, load_tables
+from ..replay.projection import DEFAULT_COSTS
 from .vote_traces import SKIP, load_vote_traces
 from ..traces import Problem, TraceError, load_problems, load_tokenizer, shared_path
 
@@ -172,7 +173,7 @@ def parse_args(argv=None):
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     ap.add_argument("--limit", type=int, help="first N problems of each set")
     ap.add_argument("--tokenizer", help="tokenizer.json (default: shared GPT-2)")
-    ap.add_argument("--costs", default=shared_path("costs", "h200_qwen2.5-7b_step_ms.jsonl"))
+    ap.add_argument("--costs", default=DEFAULT_COSTS)
     ap.add_argument("--host-time", default=DEFAULT_HOST_TIME,
                     help="host ms per step (python -m evals host-time); 'none' to leave it out")
     ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",

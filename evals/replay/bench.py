@@ -18,7 +18,7 @@ from ..options import parse_options
 from .device_route import device_us_per_row
 from .drafters import DEVICE_METHODS, make_drafter, schedule_lookup
 from .engine import VirtualClock, replay
-from .projection import HostTime, StepCosts, break_even_host_ms
+from .projection import DEFAULT_COSTS, HostTime, StepCosts, break_even_host_ms
 
 DEFAULT_HOST_TIME = "results/host_time.jsonl"
 
@@ -255,8 +255,17 @@ class Bench:
 
 
 def load_tables(args, quiet: bool = False) -> tuple[StepCosts | None, HostTime | None]:
-    """The step-cost table and the host-time table (None where not given)."""
+    """The step-cost table and the host-time table (None where not given).
+    Without ../shared, the default table falls back to the budget's own H200
+    model on that table's grid (a fit to it: mean error 3%), so a clone
+    still projects."""
     costs = StepCosts.load(args.costs) if args.costs and os.path.exists(args.costs) else None
+    if costs is None and args.costs == DEFAULT_COSTS:
+        costs = StepCosts.from_model("h200_7b")
+        if not quiet:
+            print(f"note: no measured table at {args.costs}; projecting on the budget's H200 "
+                  "model (consensus_spec.budget.COST_MODELS['h200_7b'], fitted to it)",
+                  file=sys.stderr)
     scale = getattr(args, "costs_slope_scale", 1.0)  # waves and dp-replay share this
     if costs is not None and scale != 1.0:
         costs = costs.with_slope_scale(scale)

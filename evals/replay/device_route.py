@@ -39,6 +39,7 @@ lies between the two figures.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 
@@ -267,16 +268,17 @@ def main(argv=None) -> int:
     import argparse
     import json
 
-    from .projection import StepCosts
-    from ..traces import shared_path
+    from .projection import DEFAULT_COSTS, StepCosts
 
     ap = argparse.ArgumentParser(prog="python -m evals device-route", description=table.__doc__)
     ap.add_argument("results", help="a .json from `python -m evals replay --methods ... device-lag1 ...`")
-    ap.add_argument("--costs", default=shared_path("costs", "h200_qwen2.5-7b_step_ms.jsonl"))
+    ap.add_argument("--costs", default=DEFAULT_COSTS)
     args = ap.parse_args(argv)
     with open(args.results, encoding="utf-8") as f:
         results = json.load(f)["results"]
-    print(table(results) + "\n\n" + table_costs(results, StepCosts.load(args.costs)))
+    costs = (StepCosts.from_model("h200_7b") if args.costs == DEFAULT_COSTS
+             and not os.path.exists(args.costs) else StepCosts.load(args.costs))
+    print(table(results) + "\n\n" + table_costs(results, costs))
     return 0
 
 

@@ -27,6 +27,11 @@ import os
 
 import numpy as np
 
+from ..traces import shared_path
+
+# the measured H200 table (../shared); a clone without it projects on the budget's model of it
+DEFAULT_COSTS = shared_path("costs", "h200_qwen2.5-7b_step_ms.jsonl")
+
 
 def _read_jsonl(path: str, what: str) -> list[dict]:
     if not os.path.exists(path):
@@ -51,6 +56,15 @@ class StepCosts:
     @classmethod
     def load(cls, path: str) -> "StepCosts":
         return cls(_read_jsonl(path, "step-cost table"))
+
+    @classmethod
+    def from_model(cls, name: str) -> "StepCosts":
+        """A table of one of the budget's cost models, on the measured H200
+        table's grid (B 1..256, 1..17 tokens per row)."""
+        from consensus_spec.budget import cost_model
+        model = cost_model(name)
+        return cls([{"B": b, "q": q, "ms": float(model.step_ms(b, q))}
+                    for b in (1, 8, 16, 32, 64, 128, 256) for q in (1, 2, 3, 5, 9, 17)])
 
     def rows(self) -> list[dict]:
         return [{"B": b, "q": float(q), "ms": float(m)}

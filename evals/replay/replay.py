@@ -33,6 +33,7 @@ import sys
 import time
 
 from .bench import DEFAULT_HOST_TIME, Bench, load_tables, pick_schedule
+from .projection import DEFAULT_COSTS
 from .drafters import DEVICE_METHODS, METHODS, SCHEDULABLE
 from .report import markdown, sweep_markdown, targets
 from ..traces import TraceError, load_problems, load_tokenizer, shared_path
@@ -53,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="batch sizes (rows) to replay at; each is projected at its own size")
     ap.add_argument("--limit", type=int, help="first N problems of each set")
     ap.add_argument("--tokenizer", help="tokenizer.json (default: shared GPT-2)")
-    ap.add_argument("--costs", default=shared_path("costs", "h200_qwen2.5-7b_step_ms.jsonl"))
+    ap.add_argument("--costs", default=DEFAULT_COSTS)
     ap.add_argument("--host-time", default=DEFAULT_HOST_TIME,
                     help="host ms per step by batch size ({\"B\", \"host_ms\"} JSONL from "
                          "`python -m evals host-time`) for the async-aware projection; "
