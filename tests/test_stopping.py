@@ -1,12 +1,11 @@
-"""Adaptive stopping rules (consensus_spec.sampling.stopping) and their replay eval (`python -m evals stop-rules`)."""
+"""Adaptive stopping rules (consensus_spec.sampling.stopping) and their replay eval,
+through its command line (`python -m evals stop-rules`) on trace files the tests write."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 
@@ -21,9 +20,7 @@ from consensus_spec.sampling.stopping import (  # noqa: E402
     tally,
 )
 from consensus_spec.voting.vote import majority_vote  # noqa: E402
-from evals.adaptive.stop_rules import checkpoints, evaluate, parse_waves, replay_order  # noqa: E402
-from evals.adaptive.vote_traces import VoteTrace, load_vote_traces  # noqa: E402
-
+from tests.evals_cli import EOS, TRACES, char_tokenizer, ok, read_json, run_evals  # noqa: E402
 
 
 def random_ids(rng, n, classes=3, none_rate=0.1):
@@ -42,17 +39,29 @@ def first_stop(answers, n, **rule):
 
 # --- rules -----------------------------------------------------------------
 
+def replay_ids(ids, rule, looks):
+    """(samples used, stopped winner, full-N winner): ``ids`` fed to ``rule`` in
+    order, checked after each count in ``looks``."""
+    used = next((k for k in looks if should_stop_ids(ids[:k], len(ids) - k, rule)), len(ids))
+
+    def winner(ranked):
+        return ranked[0][0] if ranked else None
+
+    return used, winner(tally(ids[:used])), winner(tally(ids))
+
+
 def test_decided_never_disagrees_with_full_n():
     rng = random.Random(0)
     rule = StopRule(kind="decided")
     for _ in range(500):
         n = rng.randint(1, 12)
         ids = random_ids(rng, n, classes=rng.randint(1, 4))
-        used, _, stopped, full = replay_order(ids, [1] * n, rule, checkpoints(n, None))
+        used, stopped, full = replay_ids(ids, rule, range(1, n))
         assert stopped == full
         if used < n:  # it stopped, so the lead really exceeded what was left
             ranked = tally(ids[:used])
             assert ranked[0][1] - (ranked[1][1] if len(ranked) > 1 else 0) > n - used
+    # the replay command agrees: on random sets, in every order (test_replay_on_tiny_traces)
 
 
 def test_decided_matches_the_engine_rule_on_answers():
@@ -153,83 +162,157 @@ def test_describe_and_default():
 
 # --- replay eval -----------------------------------------------------------
 
-def test_checkpoints_and_waves():
-    assert checkpoints(4, None) == [1, 2, 3]
-    waves = parse_waves(["1", "2", "4", "rest"])
-    assert waves == [1, 2, 4, None]
-    assert checkpoints(40, waves) == [1, 3, 7]
-    assert checkpoints(5, waves) == [1, 3]  # the 4-wave is cut to what is left
-    assert checkpoints(10, parse_waves(["3"])) == [3, 6, 9]  # last size repeats
-    for bad in (["rest", "2"], ["0"], ["x"]):
-        with pytest.raises(ValueError):
-            parse_waves(bad)
+def answer_text(i):
+    """A completion voting for class ``i`` (None: one without an answer)."""
+    return "no idea" if i is None else f"The answer is {5 + i}."
 
 
-def test_replay_counts_samples_and_tokens():
-    ids = [0, 0, 0, 1, 0, 0]
-    tokens = [10, 20, 30, 40, 50, 60]
-    rule = StopRule(kind="window", window=3)
-    assert replay_order(ids, tokens, rule, checkpoints(6, None)) == (3, 60, 0, 0)
-    # waves 2, then the rest: the rule only looks after whole waves
-    assert replay_order(ids, tokens, rule, checkpoints(6, [2, None])) == (6, 210, 0, 0)
-    # after 4 the last three are 0, 0, 1: no run, so the second wave runs to the end
-    assert replay_order(ids, tokens, rule, checkpoints(6, [4, None])) == (6, 210, 0, 0)
+def write_votes(path, problems):
+    """A trace file of ``problems``: ``[(id, class ids, tokens, gold class), ...]``;
+    each completion names its class's answer (``answer_text``) and has
+    ``tokens`` recorded ids (EOS last); gold None: no gold answer."""
+    with open(path, "w", encoding="utf-8") as f:
+        for pid, ids, tokens, gold in problems:
+            obj = {"id": pid, "prompt": f"problem {pid}", "completions": [answer_text(i) for i in ids],
+                   "completion_ids": [[7] * (t - 1) + [EOS] for t in tokens]}
+            if gold is not None:
+                obj["answer"] = str(5 + gold)
+            f.write(json.dumps(obj) + "\n")
+    return str(path)
 
 
-def test_evaluate_on_tiny_traces():
-    traces = [
-        VoteTrace("easy", [0] * 8, [5] * 8, correct=[True]),
-        VoteTrace("split", [0, 1, 0, 1, 1, 0, 1, 2], [10] * 8, correct=[False, True, False]),
-        VoteTrace("blank", [None] * 8, [1] * 8, correct=[]),
-    ]
-    rules = [StopRule(kind="decided"), StopRule(kind="beta", error=0.1, min_samples=2)]
-    out = evaluate(traces, rules, perms=3, seed=0)
-    decided, beta = out["decided"], out["beta(error=0.1, min=2)"]
-    assert decided["agreement"] == 1.0 and decided["agreement_perm_worst"] == 1.0
-    assert decided["gold_acc"] == decided["gold_acc_full"] == pytest.approx(2 / 3)
-    assert traces[1].share == 0.5 and decided["hard_agreement"] == 1.0  # "split" is hard
-    assert beta["samples_per_problem"] < decided["samples_per_problem"]
-    assert beta["tokens_frac"] < decided["tokens_frac"] <= 1.0
-    assert set(beta["shortest_first"]) >= {"agreement", "tokens_frac"}
+def stop_rules(tmp, name, traces, *extra):
+    """``python -m evals stop-rules`` on ``traces`` (char tokenizer); its JSON."""
+    out = tmp / f"{name}.json"
+    ok(run_evals("stop-rules", "--traces", *traces, "--tokenizer", char_tokenizer(tmp / "chars.json"),
+                 "--out", out, *extra))
+    return read_json(out)
 
 
-def test_load_vote_traces(tmp_path):
-    class CharTokenizer:
-        class _Enc:
-            def __init__(self, ids):
-                self.ids = ids
+WINDOW = [("w", [0, 0, 0, 1, 0, 0], [10, 20, 30, 40, 50, 60], 0)]
+PROGRAMS = {"price = 76\ndiscount = 25\nans = price - discount": "51", "ans = 7 / 2": "3.5",
+            "a = 0.1\nans = a + 0.2": "0.3",  # decimal literals, exact
+            "x = 9\nans = -x // 2 % 7 + 2 ** 3": "10",  # Python semantics
+            "ans = 1 / 3": "0.3333333333"}
+NOT_FOLDED = ("import os\nans = 1", "ans = len('ab')", "ans = __import__('os').getcwd()",
+              "ans = (1).real", "ans = 2 ** 10 ** 9", "ans = 1 / 0", "ans = True",
+              "ans = 3, 4", "x = 1", "ans = y + 1", "ans = 1 if 2 > 1 else 0",
+              "while True:\n    pass", "ans = 5\nprint(ans)", "ans = ",
+              "ans = " + "(" * 500 + "1" + ")" * 500, "ans = 10 ** 40")
 
-        def encode_batch(self, texts):
-            return [self._Enc(list(t)) for t in texts]
 
-    path = tmp_path / "t.jsonl"
+@pytest.fixture(scope="module")
+def every_path(tmp_path_factory):
+    """One run, rules checked after every path (--waves 1), 3 random orders, per-problem
+    figures; sets: tiny (easy / split / blank), votes (answers extracted from text,
+    char tokens), window, random (150 random problems) and tiny_pot_set (programs)."""
+    tmp = tmp_path_factory.mktemp("every_path")
+    tiny = write_votes(tmp / "tiny.jsonl", [("easy", [0] * 8, [5] * 8, 0),
+                                            ("split", [0, 1, 0, 1, 1, 0, 1, 2], [10] * 8, 1),
+                                            ("blank", [None] * 8, [1] * 8, 0)])
+    votes = tmp / "votes.jsonl"
     rows = [{"id": "a", "prompt": "Q", "answer": "0.5",
              "completions": ["The answer is 1/2.", "so \\boxed{0.5}", "The answer is 3.", "no idea"]},
             {"id": "b", "prompt": "Q", "completions": ["only one"]}]
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\nnot json\n")
-    (t,) = load_vote_traces(str(path), CharTokenizer())
-    assert t.id == "a" and t.ids == [0, 0, 1, None]
-    assert t.tokens == [len("The answer is 1/2.") + 1, len("so \\boxed{0.5}") + 1, 17, 8]
-    assert t.correct == [True, False]
+    votes.write_text("\n".join(json.dumps(r) for r in rows) + "\nnot json\n")
+    rng = random.Random(0)
+    problems = []
+    for p in range(150):
+        n = rng.randint(2, 12)
+        problems.append((f"r{p}", random_ids(rng, n, classes=rng.randint(1, 4)), [3] * n, None))
+    rand = write_votes(tmp / "random.jsonl", problems)
+    pot = tmp / "tiny_pot_set.jsonl"  # *_pot_*: answers are folded from the program text
+    pot.write_text(json.dumps({"id": "pot", "prompt": "Q", "completions": [*PROGRAMS, *NOT_FOLDED]}) + "\n")
+    return stop_rules(tmp, "every_path", [tiny, votes, write_votes(tmp / "window.jsonl", WINDOW), rand, pot],
+                      "--waves", "1", "--perms", "3", "--seed", "0", "--per-problem")
+
+
+def test_evaluate_on_tiny_traces(every_path):
+    s = every_path["sets"]["tiny"]
+    decided, beta = s["rules"]["decided"], s["rules"]["beta(error=0.1, min=3)"]
+    assert decided["agreement"] == 1.0 and decided["agreement_perm_worst"] == 1.0
+    assert decided["gold_acc"] == decided["gold_acc_full"] == pytest.approx(2 / 3)
+    split = next(p for p in s["per_problem"] if p["id"] == "split")
+    assert split["share"] == 0.5 and s["hard_problems"] == 1 and decided["hard_agreement"] == 1.0  # hard
+    assert beta["samples_per_problem"] < decided["samples_per_problem"]
+    assert beta["tokens_frac"] < decided["tokens_frac"] <= 1.0
+    assert set(beta["shortest_first"]) >= {"agreement", "tokens_frac"}
+    assert s["full_tokens"] == 8 * (5 + 10 + 1)
+
+
+def test_decided_agrees_with_full_n_on_random_sets(every_path):
+    r = every_path["sets"]["random"]["rules"]["decided"]
+    assert r["agreement"] == r["agreement_perm_worst"] == r["shortest_first"]["agreement"] == 1.0
+    assert r["samples_frac"] < 1.0  # and it does stop early
+
+
+def test_load_vote_traces(every_path):
+    s = every_path["sets"]["votes"]
+    assert s["problems"] == 1  # "b" has one completion, the broken line is skipped
+    (t,) = s["per_problem"]
+    assert t["id"] == "a" and t["ids"] == [0, 0, 1, None]
+    assert t["answers"][3] is None
+    assert t["tokens"] == [len("The answer is 1/2.") + 1, len("so \\boxed{0.5}") + 1, 17, 8]
+    assert t["correct"] == [True, False]
+
+
+def test_program_answer_folds_straight_line_arithmetic(every_path):
+    (t,) = every_path["sets"]["tiny_pot_set"]["per_problem"]
+    assert t["answers"] == list(PROGRAMS.values()) + [None] * len(NOT_FOLDED)
+
+
+def test_checkpoints_and_waves(every_path, waves_runs):
+    assert every_path["sets"]["votes"]["looks"] == {"4": [1, 2, 3]}  # every path
+    assert every_path["sets"]["tiny"]["looks"] == {"8": list(range(1, 8))}
+    assert waves_runs["1 2 4 rest"]["args"]["waves"] == [1, 2, 4, None]
+    looks = waves_runs["1 2 4 rest"]["sets"]["sizes"]["looks"]
+    assert looks["40"] == [1, 3, 7] and looks["5"] == [1, 3]  # the 4-wave is cut to what is left
+    assert waves_runs["3"]["args"]["waves"] == [3]
+    assert waves_runs["3"]["sets"]["sizes"]["looks"]["10"] == [3, 6, 9]  # last size repeats
+    for bad in (["rest", "2"], ["0"], ["x"]):
+        out = run_evals("stop-rules", "--waves", *bad, "--out", "")
+        assert out.returncode == 2 and "--waves takes sizes" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.fixture(scope="module")
+def waves_runs(tmp_path_factory):
+    """{--waves: JSON} of runs over the window set, or sets of problems of 5, 40 and 10 paths."""
+    tmp = tmp_path_factory.mktemp("waves")
+    window = write_votes(tmp / "window.jsonl", WINDOW)
+    sizes = write_votes(tmp / "sizes.jsonl", [(f"n{n}", [0] * n, [2] * n, None) for n in (5, 40, 10)])
+    return {spec: stop_rules(tmp, spec.replace(" ", "_"), traces, "--waves", *spec.split(), "--perms", "1")
+            for spec, traces in (("2 rest", [window]), ("4 rest", [window]),
+                                 ("1 2 4 rest", [sizes]), ("3", [sizes]))}
+
+
+def test_replay_counts_samples_and_tokens(every_path, waves_runs):
+    # ids 0 0 0 1 0 0, tokens 10..60, window(3): after every path it stops at 3 paths, 60 tokens, on 0
+    w = every_path["sets"]["window"]
+    assert w["full_tokens"] == 210
+    r = w["rules"]["window(3)"]
+    assert r["samples_per_problem"] == 3 and r["tokens_frac"] == pytest.approx(60 / 210)
+    assert r["agreement"] == 1.0 and r["gold_acc"] == r["gold_acc_full"] == 1.0  # stopped on 0, as full-N
+    # waves 2, then the rest: the rule only looks after whole waves
+    # after 4 the last three are 0, 0, 1: no run, so the second wave runs to the end
+    for spec, looks in (("2 rest", [2]), ("4 rest", [4])):
+        w = waves_runs[spec]["sets"]["window"]
+        assert w["looks"] == {"6": looks}
+        r = w["rules"]["window(3)"]
+        assert r["samples_per_problem"] == 6 and r["tokens_frac"] == 1.0, spec
+        assert r["agreement"] == 1.0 and r["gold_acc"] == r["gold_acc_full"] == 1.0
 
 
 def test_recorded_traces_end_to_end(tmp_path):
     """Three sets cut from the project's own recorded fixture (no ../shared):
     the command replays every rule, cross-validates and picks a default."""
-    fixture = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "embedded_n8.jsonl")
-    with open(fixture, encoding="utf-8") as f:
+    with open(TRACES, encoding="utf-8") as f:
         lines = [line for line in f if line.strip()]
     paths = []
     for i, name in enumerate(("set_a", "set_b", "set_c")):
         path = tmp_path / f"{name}.jsonl"
         path.write_text("".join(lines[i::3]))
         paths.append(str(path))
-    out = tmp_path / "stopping.json"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, "-m", "evals", "stop-rules", "--traces", *paths, "--perms", "2",
-                          "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
-    data = json.loads(out.read_text())
+    data = stop_rules(tmp_path, "stopping", paths, "--perms", "2")
     assert set(data["sets"]) == {"set_a", "set_b", "set_c"} and not data["skipped"]
     for s in data["sets"].values():
         assert s["rules"]["decided"]["agreement"] == 1.0
@@ -242,9 +325,6 @@ def test_recorded_traces_end_to_end(tmp_path):
 # --- the sequential rule: a guarantee over all looks ------------------------
 
 from consensus_spec.sampling.stopping import sequential_boundary  # noqa: E402
-from evals.adaptive.vote_traces import program_answer  # noqa: E402
-from evals.adaptive.stop_rules_cv import choose_default, loso, meets, pick  # noqa: E402
-from evals.adaptive.stop_rules_cv import plot as tradeoff_plot  # noqa: E402
 
 
 def partitions(n, largest=None):
@@ -362,22 +442,6 @@ def test_should_stop_input_errors_and_purity():
     assert should_stop(("1", "1", "1", "1"), 4, kind="sequential", error=0.05)  # any sequence
 
 
-# --- program-of-thought answers: folded, never run --------------------------
-
-def test_program_answer_folds_straight_line_arithmetic():
-    assert program_answer("price = 76\ndiscount = 25\nans = price - discount") == "51"
-    assert program_answer("ans = 7 / 2") == "3.5"
-    assert program_answer("a = 0.1\nans = a + 0.2") == "0.3"  # decimal literals, exact
-    assert program_answer("x = 9\nans = -x // 2 % 7 + 2 ** 3") == "10"  # Python semantics
-    assert program_answer("ans = 1 / 3") == "0.3333333333"
-    for text in ("import os\nans = 1", "ans = len('ab')", "ans = __import__('os').getcwd()",
-                 "ans = (1).real", "ans = 2 ** 10 ** 9", "ans = 1 / 0", "ans = True",
-                 "ans = 3, 4", "x = 1", "ans = y + 1", "ans = 1 if 2 > 1 else 0",
-                 "while True:\n    pass", "ans = 5\nprint(ans)", "ans = ", "", None,
-                 "ans = " + "(" * 500 + "1" + ")" * 500, "ans = 10 ** 40"):
-        assert program_answer(text) is None, text
-
-
 # --- leave-one-set-out -------------------------------------------------------
 
 def fake_rule(kind, error, tokens, agree, worst, gold=None):
@@ -398,36 +462,68 @@ def fake_sets():
             "c": {"rules": rules(0.99, 0.999), "hard_problems": 0}}
 
 
-def test_targets_and_picks():
-    sets = fake_sets()
-    assert meets(sets["a"]["rules"]["seq_hi"]) and not meets(sets["c"]["rules"]["seq_hi"])
+def selection(tmp, name, sets, *extra):
+    """``python -m evals stop-rules --from-json`` on a saved result holding ``sets``: (JSON, stdout)."""
+    saved, out = tmp / f"{name}_saved.json", tmp / f"{name}.json"
+    saved.write_text(json.dumps({"args": {"waves": [2]}, "skipped": {}, "sets": sets}))
+    stdout = ok(run_evals("stop-rules", "--from-json", saved, "--out", out, *extra))
+    return read_json(out), stdout
+
+
+@pytest.fixture(scope="module")
+def picked(tmp_path_factory):
+    """The selection redone on the fake sets a, b, c, with the trade-off plot."""
+    tmp = tmp_path_factory.mktemp("picked")
+    data, stdout = selection(tmp, "abc", fake_sets(), "--plot", tmp / "tradeoff.png")
+    return data, stdout, tmp / "tradeoff.png"
+
+
+@pytest.fixture(scope="module")
+def nothing_passes(tmp_path_factory):
+    """One set where no rule with a guarantee meets the targets."""
+    low_gold = dict(fake_rule("sequential", 0.2, 0.3, 1.0, 1.0), gold_acc_perm_mean=0.80, gold_acc_full=0.81)
+    rules = {"decided": fake_rule("decided", 0.2, 0.7, 1.0, 0.98),
+             "seq_tight": fake_rule("sequential", 0.001, 0.3, 0.998, 0.99),
+             "low_gold": low_gold,
+             "pred_ok": fake_rule("predictive", 0.005, 0.3, 0.998, 0.99)}
+    return selection(tmp_path_factory.mktemp("nothing"), "only", {"only": {"rules": rules, "hard_problems": 0}})[0]
+
+
+def test_targets_and_picks(picked, nothing_passes):
+    data = picked[0]
+    assert data["meets"]["a"]["seq_hi"] and not data["meets"]["c"]["seq_hi"]
     # realized disagreement above the nominal error fails, whatever the agreement
-    assert not meets(fake_rule("sequential", 0.001, 0.3, 0.998, 0.99))
+    assert not nothing_passes["meets"]["only"]["seq_tight"]
     # gold accuracy more than 0.5 points below full-N fails
-    low_gold = dict(fake_rule("sequential", 0.2, 0.3, 1.0, 1.0), gold_acc_perm_mean=0.80,
-                    gold_acc_full=0.81)
-    assert not meets(low_gold)
-    assert pick(sets, ["a", "b"], ("decided", "sequential")) == "seq_hi"
-    assert pick(sets, ["a", "c"]) == "pred"  # any rule: cheapest passing on a and c
-    assert pick(sets, ["b", "c"], ("predictive",)) == "decided"  # nothing passes
+    assert not nothing_passes["meets"]["only"]["low_gold"]
+    assert nothing_passes["meets"]["only"]["pred_ok"]  # the same figures with a looser nominal error pass
+    by_held = {f["held_out"]: f for f in data["loso"]}
+    by_held_any = {f["held_out"]: f for f in data["loso_any_rule"]}
+    assert by_held["c"]["tuned_on"] == ["a", "b"] and by_held["c"]["rule"] == "seq_hi"  # guaranteed kinds
+    assert by_held_any["b"]["tuned_on"] == ["a", "c"] and by_held_any["b"]["rule"] == "pred"  # any rule
+    # nothing with a guarantee passes: decided
+    assert nothing_passes["default"] == "decided"
 
 
-def test_loso_tunes_on_the_other_sets_and_reports_held_out():
-    sets = fake_sets()
-    folds = loso(sets, ("decided", "sequential"))
+def test_loso_tunes_on_the_other_sets_and_reports_held_out(picked, nothing_passes):
+    data = picked[0]
+    folds = data["loso"]
     assert [f["held_out"] for f in folds] == ["a", "b", "c"]
     assert [f["tuned_on"] for f in folds] == [["b", "c"], ["a", "c"], ["a", "b"]]
     # held out a or b, c is a tuning set and rules seq_hi out; held out c, seq_hi is picked
     assert [f["rule"] for f in folds] == ["seq_lo", "seq_lo", "seq_hi"]
     assert [f["meets"] for f in folds] == [True, True, False]  # ... and misses on c
-    assert choose_default(sets, folds) == "seq_lo"  # folds disagree: the most cautious pick
-    assert loso({"only": sets["a"]}) == []
+    assert data["default"] == "seq_lo"  # folds disagree: the most cautious pick
+    assert data["sets"] == fake_sets()  # the saved figures, not replayed
+    assert nothing_passes["loso"] == [] and nothing_passes["loso_any_rule"] == []  # one set: no folds
 
 
-def test_tradeoff_plot(tmp_path):
-    sets = {name: {"rules": {r: dict(v, rule=dict(v["rule"], kind=k)) for (r, v), k in zip(
-        s["rules"].items(), ("decided", "sequential", "sequential", "predictive"))}}
-        for name, s in fake_sets().items()}
-    path = tmp_path / "tradeoff.png"
-    made = tradeoff_plot(sets, "seq_hi", str(path))  # False (no plot) without matplotlib
+def test_tradeoff_plot(picked):
+    _, stdout, path = picked
+    made = f"wrote {path}" in stdout  # no plot (a note on stderr) without matplotlib
     assert made is (path.exists() and path.stat().st_size > 1000)
+
+
+def test_from_json_errors(tmp_path):
+    out = run_evals("stop-rules", "--from-json", tmp_path / "missing.json", "--out", tmp_path / "x.json")
+    assert out.returncode == 2 and "not a saved stop-rules result" in out.stderr and "Traceback" not in out.stderr

@@ -2,6 +2,8 @@
 
     python -m evals stop-rules [--traces FILE ...] [--limit N] [--perms 20]
                              [--waves 2] [--out results/stopping.json] [--plot PNG]
+                             [--per-problem]
+    python -m evals stop-rules --from-json results/stopping.json [--out ...] [--plot PNG]
 
 Each problem's recorded completions are answered with ``extract_answer``
 (program-of-thought sets, ``*_pot_*``: :func:`~evals.adaptive.vote_traces.program_answer`, which folds the
@@ -15,7 +17,13 @@ waves of 2, as the default ``Schedule``; ``--waves 1``: after every path), and
 every sample of a started wave counts.  Prints a markdown table per set and
 rule (realized disagreement beside the nominal error), leave-one-set-out
 tables (:mod:`evals.adaptive.stop_rules_cv`), writes them next to a JSON file of all
-figures, and names the default rule the cross-validation supports.
+figures, and names the default rule the cross-validation supports.  The JSON
+holds, per set, the sample counts after which rules were checked (``looks``,
+per problem size) and whether each rule meets the targets (``meets``);
+``--per-problem`` adds each problem's extracted answers, class ids, token
+counts and gold classes.  ``--from-json`` replays nothing: it takes a saved
+result's per-set figures and redoes the selection (targets, leave-one-set-out,
+default, tables, plot) on them.
 """
 
 from __future__ import annotations
@@ -24,12 +32,13 @@ import argparse
 import json
 import os
 import random
+import sys
 import time
 
 from consensus_spec.sampling.stopping import StopRule, should_stop_ids
 
 from ..traces import load_tokenizer, shared_path
-from .stop_rules_cv import GUARANTEED, choose_default, loso, markdown, pct, plot, summary
+from .stop_rules_cv import GUARANTEED, choose_default, loso, markdown, meets, pct, plot, summary
 from .vote_traces import VoteTrace, load_vote_traces
 
 DEFAULT_TRACES = ("gsm8k_qwen3_4b_n8.jsonl", "addsub_codex002_n40.jsonl", "svamp_pot_codex002_n30.jsonl")
@@ -175,7 +184,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tokenizer", help="tokenizer.json (default: shared GPT-2)")
     ap.add_argument("--out", default="results/stopping.json", help="JSON path (markdown next to it)")
     ap.add_argument("--plot", help="PNG path for tokens against agreement per set and rule")
+    ap.add_argument("--per-problem", action="store_true",
+                    help="also write each problem's answers, class ids, token counts and gold classes")
+    ap.add_argument("--from-json", metavar="FILE",
+                    help="redo only the selection (targets, leave-one-set-out, default) on the per-set "
+                         "figures of a saved result; replays nothing")
     args = ap.parse_args(argv)
+    if args.from_json and args.traces:
+        ap.error("--from-json takes its sets from the saved result: no --traces")
     if args.limit is not None and args.limit < 1 or args.perms < 1:
         ap.error("--limit must be >= 1 and --perms >= 1")
     try:
@@ -185,9 +201,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def describe_looks(waves) -> str:
+    return "waves " + ",".join("rest" if w is None else str(w) for w in waves) if waves else "every path"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     start = time.perf_counter()
+    if args.from_json:
+        return from_json(args, start)
     tokenizer = load_tokenizer(args.tokenizer)
     rules = grid()
     sets, skipped = {}, {}
@@ -202,12 +224,39 @@ def main(argv=None) -> int:
         sets[name] = {"problems": len(traces), "n": max(len(t.ids) for t in traces),
                       "hard_problems": sum(t.share < HARD_SHARE for t in traces),
                       "full_tokens": sum(sum(t.tokens) for t in traces),
+                      "looks": {str(n): checkpoints(n, args.waves) for n in sorted({len(t.ids) for t in traces})},
                       "rules": evaluate(traces, rules, args.perms, args.seed, args.waves)}
+        if args.per_problem:
+            sets[name]["per_problem"] = [{"id": t.id, "answers": t.answers, "ids": t.ids, "tokens": t.tokens,
+                                          "correct": t.correct, "share": t.share} for t in traces]
         print(f"{name}: {len(traces)} problems, replayed {len(rules)} rules in "
               f"{time.perf_counter() - t0:.1f}s")
     if not sets:
         print("no trace set with extractable answers")
         return 1
+    return select(args, sets, skipped, HARD_SHARE, describe_looks(args.waves), start)
+
+
+def from_json(args, start: float) -> int:
+    """The selection redone on a saved result's per-set figures."""
+    try:
+        with open(args.from_json, encoding="utf-8") as f:
+            saved = json.load(f)
+        sets = saved["sets"]
+        if not isinstance(sets, dict) or not sets:
+            raise ValueError("no sets")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"python -m evals stop-rules: error: {args.from_json}: not a saved stop-rules result ({e})",
+              file=sys.stderr)
+        return 2
+    saved_args = saved.get("args") if isinstance(saved.get("args"), dict) else {}
+    waves = saved_args.get("waves", [2])
+    return select(args, sets, saved.get("skipped", {}), saved.get("hard_share", HARD_SHARE),
+                  describe_looks(waves), start)
+
+
+def select(args, sets: dict, skipped: dict, hard_share: float, looks: str, start: float) -> int:
+    """Targets, leave-one-set-out and the default on per-set figures; tables, plot and JSON."""
     folds, folds_any = loso(sets, GUARANTEED), loso(sets)
     chosen = choose_default(sets, folds)
     text = markdown(sets, chosen, folds, folds_any)
@@ -216,16 +265,16 @@ def main(argv=None) -> int:
     table = summary(sets)
     print(f"\ndefault by leave-one-set-out: {chosen} (mean tokens {pct(table[chosen]['tokens_frac_mean'])}% "
           f"of full-N over the sets; wall {time.perf_counter() - start:.1f}s)")
-    looks = "waves " + ",".join("rest" if w is None else str(w) for w in args.waves) \
-        if args.waves else "every path"
     if args.plot and plot(sets, chosen, args.plot, looks):
         print(f"wrote {args.plot}")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items()}, "hard_share": HARD_SHARE,
+            json.dump({"args": {k: v for k, v in vars(args).items()}, "hard_share": hard_share,
                        "skipped": skipped, "sets": sets, "selection": table, "loso": folds,
-                       "loso_any_rule": folds_any, "default": chosen}, f, indent=1)
+                       "loso_any_rule": folds_any, "default": chosen,
+                       "meets": {name: {r: meets(v) for r, v in s["rules"].items()} for name, s in sets.items()}},
+                      f, indent=1)
         with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
             f.write(text + "\n")
         print(f"wrote {args.out}")

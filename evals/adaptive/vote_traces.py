@@ -29,6 +29,7 @@ class VoteTrace:
     ids: list[int | None]
     tokens: list[int]
     correct: list[bool] | None = None  # per class id: equals the gold answer
+    answers: list[str | None] | None = None  # the extracted answer per completion
 
     @property
     def share(self) -> float:
@@ -124,11 +125,12 @@ def load_vote_traces(path: str, tokenizer, limit: int | None = None, extract=Non
             comps = [c for c in comps or [] if isinstance(c, str) and c]
             if len(comps) < 2:
                 continue
-            ids, correct = gold_classes([extract(c) for c in comps], obj.get("answer"))
+            answers = [extract(c) for c in comps]
+            ids, correct = gold_classes(answers, obj.get("answer"))
             recorded = obj.get("completion_ids")  # python -m evals record: no tokenizer needed
             if isinstance(recorded, list) and len(recorded) == len(comps):
                 tokens = [max(len(r), 1) for r in recorded]
             else:
                 tokens = [len(e.ids) + 1 for e in tokenizer.encode_batch(comps)]  # + EOS
-            out.append(VoteTrace(str(obj.get("id", f"line{lineno}")), ids, tokens, correct))
+            out.append(VoteTrace(str(obj.get("id", f"line{lineno}")), ids, tokens, correct, answers))
     return out
