@@ -82,8 +82,7 @@ OLD_FULL_AT = 0.95
 
 
 class Group:
-    __slots__ = ("prompt_tail", "prompt_len", "size", "root", "start", "live", "used",
-                 "remembered")
+    __slots__ = ("prompt_tail", "prompt_len", "size", "root", "start", "live")
 
     def __init__(self, prompt_tail: np.ndarray, prompt_len: int):
         self.prompt_tail = prompt_tail
@@ -91,8 +90,6 @@ class Group:
         self.size = prompt_len + len(prompt_tail)  # tokens held (key and tail), for the LRU
         self.root = self.start = -1  # its trie's root and prompt-tail node; -1: no trie
         self.live = 0  # paths added and not released
-        self.used = 0  # drafter clock at its last add_path or release
-        self.remembered = True  # still found by its prompt (not forgotten by the LRU)
 
 
 def prompt_key(prompt) -> bytes:
@@ -112,7 +109,6 @@ class ConsensusDrafter:
         self._path_group: list[Group | None] = []
         self._free: list[int] = []
         self._cursor = np.zeros((0, 2), np.int64)  # path -> (node in group trie, in cross trie)
-        self._clock = 0  # counts add_path and release calls, for LRU order
         self._live_groups = 0  # groups with unreleased paths
         self.forest = SuffixForest(self.options.max_depth, self.options.max_trie_nodes)
         self._owners: dict[int, Group | None] = {}  # root -> its group (None: a cross-group trie)
@@ -145,7 +141,7 @@ class ConsensusDrafter:
     @property
     def num_tries(self) -> int:
         """Tries in the arena: groups' (until evicted) and cross-group ones
-        (a restarted one stays, as garbage, until the next eviction)."""
+        (a restarted one stays, as garbage, until its half is dropped)."""
         return len(self._owners)
 
     @property
@@ -171,8 +167,7 @@ class ConsensusDrafter:
             self._group_tokens += group.size
             while self._group_tokens > self.options.max_group_tokens and len(self._groups) > 1:
                 _, old = self._groups.popitem(last=False)
-                self._group_tokens -= old.size
-                old.remembered = False  # its trie is garbage once its paths finish
+                self._group_tokens -= old.size  # its trie is garbage once its paths finish
         else:
             self._groups.move_to_end(key)
         if not self._free:
@@ -196,8 +191,6 @@ class ConsensusDrafter:
         self._free.append(path)
 
     def _use(self, group: Group, paths: int) -> None:
-        self._clock += 1
-        group.used = self._clock
         self._live_groups += (group.live + paths > 0) - (group.live > 0)
         group.live += paths
 
