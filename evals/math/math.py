@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-plot", dest="plot", action="store_false")
     ap.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
     ap.add_argument("--out", default="results/math", help="output prefix (.json, .md, .png)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="validate, load the problems, print them with their prompts (the model "
+                         "directory's tokenizer, where it has one) and the configs to run as JSON "
+                         "on stdout, and stop: no engine")
     return ap
 
 
@@ -141,6 +145,57 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(model: str):
+    """(tokenizer, error): the model directory's Hugging Face tokenizer, as
+    the engine's ``get_tokenizer`` loads it; hub ids are not fetched."""
+    if not os.path.isdir(model):
+        return None, f"{model} is not a local directory"
+    if not any(os.path.exists(os.path.join(model, f)) for f in TOKENIZER_FILES):
+        return None, f"no tokenizer files in {model}"
+    try:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(model), None
+    except Exception as e:  # noqa: BLE001 - a report: say why prompts are plain
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+
+
+def dry_run(args, problems) -> dict:
+    """What a run would do, without an engine: problems, prompts, configs and
+    each method's engine settings."""
+    import dataclasses
+
+    from .llm import engine_options, spec_config
+    from .prompts import build_prompt, prompt_style
+
+    def rule_dict(rule):
+        return None if rule is None else dataclasses.asdict(rule)
+
+    def waves_dict(w):
+        return w if w == "auto" else {"waves": list(w.waves), "fill_idle": w.fill_idle}
+
+    kind = "synthetic" if all(p.kind == "synthetic" for p in problems) else "math"
+    tokenizer, tokenizer_error = load_tokenizer(args.model)
+    return {
+        "dataset": args.dataset, "model": args.model, "methods": args.methods, "n": args.n,
+        "max_tokens": args.max_tokens or DEFAULT_MAX_TOKENS[kind],
+        "early_stop": [rule_dict(r) for r in args.early_stop],
+        "waves": [waves_dict(w) for w in args.waves],
+        "configs": [{"n": n, "waves": list(s.waves), "capacity": s.capacity, "check": s.check,
+                     "fill_idle": s.fill_idle, "schedule": s.describe(), "wave_sizes": s.sizes(n),
+                     "early_stop": early_stop_label(r), "stop_rule": rule_dict(r)}
+                    for n, s, r in args.configs],
+        "speculative_config": {m: spec_config(m, args) for m in args.methods},
+        "additional_config": {m: engine_options(m, args) for m in args.methods},
+        "tokenizer_error": tokenizer_error,
+        "prompt_style": prompt_style(problems, tokenizer),
+        "problems": [{"id": p.id, "question": p.question, "gold": p.gold, "gold_key": p.gold_key,
+                      "kind": p.kind, "prompt": build_prompt(p, tokenizer)} for p in problems],
+    }
+
+
 def write_outputs(args, rows, problems, dataset_name: str, table: str,
                   points: list[dict] | None = None) -> list[str]:
     out = args.out
@@ -176,6 +231,9 @@ def main(argv=None) -> int:
             problems = load_problems(args.dataset, args.limit)
         except DatasetError as e:
             raise UsageError(str(e))
+        if args.dry_run:
+            print(json.dumps(dry_run(args, problems), indent=1))
+            return 0
         check_dependencies(args.methods)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
