@@ -1,13 +1,14 @@
-"""``python -m evals math``: argument errors, dataset loading, gold answers,
-prompts and reporting (fast, no engine), plus one end-to-end run on a tiny
-random Llama (slow)."""
+"""``python -m evals math`` as a user runs it (tests/evals_cli.py): argument
+errors, dataset loading, gold answers, prompts and configs through
+``--dry-run``, reporting through ``--from-json`` on result rows the tests
+write (fast, no engine), ``waves-sim``, plus one end-to-end run on a tiny
+random Llama (slow).  No test imports the evals package."""
 
 from __future__ import annotations
 
 import json
 import dataclasses
 import os
-from types import SimpleNamespace
 
 import math_verify  # noqa: F401 - declared dependency: answers are graded with it
 import pytest
@@ -19,8 +20,6 @@ from tests.evals_cli import REPO, ok, run_evals
 REPO_MODEL = os.path.join(REPO, "consensus_spec", "model")  # the embedded model
 BARE_MODEL = None  # set by the bare_model fixture
 
-from evals.math import report as math_report  # noqa: E402  (converted next)
-from evals.math.datasets import MathProblem  # noqa: E402
 
 
 def write_jsonl(path, rows):
@@ -405,20 +404,24 @@ def test_prompts(tmp_path):
 # ---------------------------------------------------------------------------
 
 
-def fake_result(answers, voted, stopped=False):
-    samples = [SimpleNamespace(answer=a) for a in answers]
-    return SimpleNamespace(samples=samples, answer=voted, agreement=0.5, stopped_early=stopped,
-                           num_tokens=10 * len(answers), num_aborted=0)
+def from_json(tmp_path, rows, *args, name="r"):
+    """``python -m evals math --from-json`` on ``rows`` written as a results
+    file: (its stdout, the JSON it writes, its output prefix)."""
+    src = tmp_path / f"{name}_in.json"
+    src.write_text(json.dumps({"dataset": "made-up", "num_problems": len(rows[0]["per_problem"]),
+                               "results": rows}))
+    out = tmp_path / name
+    stdout = ok(math_cli("--from-json", src, "--out", out, *args))
+    return stdout, json.loads((tmp_path / f"{name}.json").read_text()), out
 
 
-def test_score_pass1_and_majority():
-    probs = [MathProblem("0", "q", "0.5"), MathProblem("1", "q", "3")]
-    run = [fake_result([r"\frac{1}{2}", "0.5", "2", None], r"\frac{1}{2}"),
-           fake_result(["4", "4"], "4")]
-    acc = math_report.score(run, probs)
-    assert acc["pass_at_1"] == pytest.approx((2 / 4 + 0) / 2)
-    assert acc["maj_at_n"] == 0.5
-    assert acc["per_problem"][0]["correct"] and not acc["per_problem"][1]["correct"]
+def row(method, n, per_problem, waves="all", early_stop="off", stop_rule=None, wave_sizes=None, **kw):
+    """A result row as ``python -m evals math`` writes it."""
+    return dict(dict(method=method, n=n, waves=waves, early_stop=early_stop, problems=len(per_problem),
+                     pass_at_1=0.5, maj_at_n=0.5, mean_acceptance_length=None, drafted_tokens=0,
+                     accepted_tokens=0, est_tokens_saved=0, stop_rule=rule(stop_rule),
+                     wave_sizes=wave_sizes or [n], check="wave", tokens=100, wall_time_s=10.0,
+                     tokens_per_s=10.0, per_problem=per_problem), **kw)
 
 
 def problem(i, answer, answers=None, gold="1"):
@@ -427,28 +430,38 @@ def problem(i, answer, answers=None, gold="1"):
                 sample_tokens=[10] * len(answers))
 
 
+def test_score_pass1_and_majority(tmp_path):
+    per_problem = [problem(0, r"\frac{1}{2}", [r"\frac{1}{2}", "0.5", "2", None], gold="0.5"),
+                   problem(1, "4", ["4", "4"], gold="3")]
+    _, data, _ = from_json(tmp_path, [row("none", 4, per_problem)])
+    (acc,) = data["results"]
+    assert acc["pass_at_1"] == pytest.approx((2 / 4 + 0) / 2)  # re-graded from the recorded answers
+    assert acc["maj_at_n"] == 0.5
+    assert acc["per_problem"][0]["correct"] and not acc["per_problem"][1]["correct"]
+    assert [p["samples_correct"] for p in acc["per_problem"]] == [2, 0]
+
+
 def make_rows():
-    base = dict(waves="all", early_stop="off", problems=2, pass_at_1=0.5, maj_at_n=0.5,
-                mean_acceptance_length=None, drafted_tokens=0, accepted_tokens=0, est_tokens_saved=0,
-                _stop_rule=None, wave_sizes=[4], check="wave")
     plain_pp = [problem(0, "1", ["1", "1", "1", "2"]), problem(1, "2", ["2", "3", "2", "3"])]
-    adaptive = dict(base, waves="2,rest", early_stop="decided", _stop_rule=StopRule(kind="decided"),
-                    wave_sizes=[2, 2], method="consensus", n=4, tokens=60, wall_time_s=3.0,
-                    tokens_per_s=20.0, per_problem=[problem(0, "1.0"), problem(1, "3")])
-    return [dict(base, method="none", n=4, tokens=100, wall_time_s=10.0, tokens_per_s=10.0,
-                 per_problem=plain_pp),
-            dict(base, method="consensus", n=4, tokens=120, wall_time_s=6.0, tokens_per_s=20.0,
-                 mean_acceptance_length=2.5, drafted_tokens=80, accepted_tokens=30,
-                 per_problem=[problem(0, "1"), problem(1, "3")]),
+    adaptive = row("consensus", 4, [problem(0, "1.0"), problem(1, "3")], waves="2,rest", early_stop="decided",
+                   stop_rule=StopRule(kind="decided"), wave_sizes=[2, 2], tokens=60, wall_time_s=3.0,
+                   tokens_per_s=20.0)
+    return [row("none", 4, plain_pp),
+            row("consensus", 4, [problem(0, "1"), problem(1, "3")], tokens=120, wall_time_s=6.0,
+                tokens_per_s=20.0, mean_acceptance_length=2.5, drafted_tokens=80, accepted_tokens=30),
             adaptive,
-            dict(base, method="consensus", n=8, tokens=200, wall_time_s=8.0, tokens_per_s=25.0,
-                 per_problem=plain_pp)]
+            row("consensus", 8, plain_pp, tokens=200, wall_time_s=8.0, tokens_per_s=25.0)]
+
+
+def tradeoff_table(stdout) -> list[str]:
+    """The trade-off table lines in the command's stdout."""
+    lines = stdout.split("stop rules replayed on the plain runs' samples:\n")[1].splitlines()
+    return lines[:next(i for i, line in enumerate(lines) if not line.startswith("|"))]
 
 
 def test_comparisons_table_and_plots(tmp_path):
-    rows = make_rows()
-    math_report.add_comparisons(rows)
-    none, cons, adaptive, cons8 = rows
+    stdout, data, out = from_json(tmp_path, make_rows(), "--tradeoff-rules", "decided", "predictive:0.2")
+    none, cons, adaptive, cons8 = data["results"]
     assert none["speedup"] == 1.0 and none["wall_speedup"] == 1.0
     assert cons["speedup"] == pytest.approx(2.0) and cons["wall_speedup"] == pytest.approx(10 / 6)
     assert adaptive["speedup"] is None  # no `none` run with these waves and rule
@@ -459,37 +472,57 @@ def test_comparisons_table_and_plots(tmp_path):
     # replayed on plain consensus: problem 0 ["1"], problem 1 ["3"]: one sample each, nothing to stop
     assert adaptive["replay_agreement"] == 1.0 and adaptive["replay_tokens"] == 1.0
     assert cons8["speedup"] is None and cons8["wall_speedup"] is None  # no plain none at n=8
-    assert math_report.noise_floor(rows) == [("none", "consensus", 4, 0.5)]
-    table = math_report.markdown(rows)
+    table = stdout.split("\nstop rules replayed")[0]
+    # the noise floor: plain none and plain consensus at n=4 agree on 1 of 2 answers, nothing else pairs
+    floor = [line for line in table.splitlines() if line.startswith("Full-n answer agreement")]
+    assert len(floor) == 1 and floor[0].endswith("): none vs consensus (n=4) 0.500")
     assert table.count("\n| ") == 4 and "| consensus | 4 | 2,rest | decided |" in table
-    assert "none vs consensus (n=4) 0.500" in table
-    points = math_report.tradeoff(rows, rules=["decided", "predictive:0.2"])
+    assert table in (tmp_path / "r.md").read_text()
+    points = data["tradeoff_replay"]
     assert {(p["method"], p["n"], p["waves"], p["rule"]) for p in points} == {
         (m, n, "2,rest", r) for m, n in (("none", 4), ("consensus", 4), ("consensus", 8))
         for r in ("decided", "predictive(error=0.2, min=3)")}
-    md = math_report.tradeoff_markdown(points)
-    assert md.count("\n") == len(points) + 1
-    assert math_report.plot(rows, str(tmp_path / "p.png"))
-    assert math_report.plot_tradeoff(rows, points, str(tmp_path / "t.png"))
-    assert (tmp_path / "p.png").stat().st_size > 1000 and (tmp_path / "t.png").stat().st_size > 1000
+    md = tradeoff_table(stdout)
+    assert len(md) == len(points) + 2
+    assert "\n".join(md) in (tmp_path / "r.md").read_text()
+    for png in ("r.png", "r_tradeoff.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+    assert f"wrote {out}.json, {out}.md, {out}.png, {out}_tradeoff.png" in stdout
 
 
-def test_replay_measures_stopping_error_on_plain_samples():
+def test_replay_measures_stopping_error_on_plain_samples(tmp_path):
     # problem 0: unanimous -> predictive stops after the first wave of 4 (4/16 of the tokens);
     # problem 1: 10-6 for "2", but the first wave of 4 is unanimous for "1"
     unanimous = ["5"] * 16
     misleading = ["1"] * 6 + ["2"] * 2 + ["2"] * 8
-    plain = dict(per_problem=[
-        dict(id="0", gold="5", answer="5", answers=unanimous, sample_tokens=[10] * 16),
-        dict(id="1", gold="2", answer="2", answers=misleading, sample_tokens=[10] * 16)],
-        maj_at_n=1.0)
-    exact = math_report.replay(plain, [4, 4, 8], StopRule(kind="decided"))
-    assert exact["agreement"] == 1.0 and exact["maj"] == 1.0
-    rep = math_report.replay(plain, [4, 4, 8], StopRule())
-    assert rep["tokens_frac"] == pytest.approx((4 + 4) / 32)
-    assert rep["agreement"] == 0.5 and rep["maj"] == 0.5  # problem 1 stopped on the wrong leader
-    per_path = math_report.replay(plain, [16], StopRule(), check="path")
-    assert per_path["tokens_frac"] <= rep["tokens_frac"]
+    plain = row("none", 16, [problem(0, "5", unanimous, gold="5"), problem(1, "2", misleading, gold="2")])
+    waves = dict(waves="4,4,rest", wave_sizes=[4, 4, 8])
+    rows = [plain,
+            row("none", 16, plain["per_problem"], early_stop="decided", stop_rule=StopRule(kind="decided"), **waves),
+            row("none", 16, plain["per_problem"], early_stop="on", stop_rule=StopRule(), **waves),
+            row("none", 16, plain["per_problem"], waves="all+path-check", early_stop="on", stop_rule=StopRule(),
+                check="path")]
+    _, data, _ = from_json(tmp_path, rows, "--tradeoff-rules", "decided", "on")
+    plain, exact, rep, per_path = data["results"]
+    assert plain["maj_at_n"] == 1.0
+    points = {(p["waves"], p["rule"]): p for p in data["tradeoff_replay"]}
+    assert exact["replay_agreement"] == 1.0
+    assert points[("4,4,rest", "decided")]["agreement"] == 1.0 and points[("4,4,rest", "decided")]["maj"] == 1.0
+    assert rep["replay_tokens"] == pytest.approx((4 + 4) / 32)
+    assert rep["replay_agreement"] == 0.5  # problem 1 stopped on the wrong leader
+    on = points[("4,4,rest", StopRule().describe())]
+    assert on["tokens_frac"] == pytest.approx((4 + 4) / 32) and on["agreement"] == 0.5 and on["maj"] == 0.5
+    assert per_path["replay_tokens"] <= rep["replay_tokens"]
+
+
+def test_from_json_errors(tmp_path):
+    assert "file not found" in usage_error(math_cli("--from-json", tmp_path / "none.json"))
+    (tmp_path / "bad.json").write_text("{}")
+    assert "not a results file" in usage_error(math_cli("--from-json", tmp_path / "bad.json"))
+    (tmp_path / "old.json").write_text(json.dumps({"results": [dict(row("none", 4, []), early_stop="decided",
+                                                                    stop_rule=None)]}))
+    assert "has no stop_rule" in usage_error(math_cli("--from-json", tmp_path / "old.json"))
+    assert "--tradeoff-rules takes stop rules" in usage_error(math_cli("--tradeoff-rules", "off"))
 
 
 # ---------------------------------------------------------------------------
@@ -528,6 +561,7 @@ def test_cli_end_to_end_on_tiny_llama(tmp_path, small_jsonl):
     assert (tmp_path / "res" / "math.png").exists()
     assert "| none |" in stdout
     assert not (tmp_path / "res" / "math.partial.json").exists()
+    assert all(r["stop_rule"] is None for r in rows.values())  # plain runs: what --from-json rebuilds
 
 
 def test_waves_simulation_on_plain_samples(tmp_path):
