@@ -1,32 +1,77 @@
-"""``python -m evals math``: argument errors, dataset loading, gold answers,
-prompts and reporting (fast, no engine), plus one end-to-end run on a tiny
-random Llama (slow)."""
+"""``python -m evals math`` as a user runs it (tests/evals_cli.py): argument
+errors, dataset loading, gold answers, prompts and configs through
+``--dry-run``, reporting through ``--from-json`` on result rows the tests
+write (fast, no engine), ``waves-sim``, plus one end-to-end run on a tiny
+random Llama (slow).  No test imports the evals package."""
 
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
+import dataclasses
+import os
 
 import math_verify  # noqa: F401 - declared dependency: answers are graded with it
 import pytest
 
-from evals.math import configs, llm, math as math_eval  # noqa: E402
-from evals.math.datasets import (  # noqa: E402
-    HUB,
-    DatasetError,
-    MathProblem,
-    gold_answer,
-    load_problems,
-)
-from evals.math.prompts import MATH_INSTRUCTION, build_prompt  # noqa: E402
 from consensus_spec.sampling.stopping import StopRule  # noqa: E402
 from consensus_spec.sampling.waves import Schedule  # noqa: E402
-from evals.math import report as math_report  # noqa: E402
+from tests.evals_cli import REPO, ok, run_evals
+
+REPO_MODEL = os.path.join(REPO, "consensus_spec", "model")  # the embedded model
+BARE_MODEL = None  # set by the bare_model fixture
+
 
 
 def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
+
+
+def math_cli(*args, **kw):
+    return run_evals("math", *args, **kw)
+
+
+def dry_run(*args, model=None, **kw) -> dict:
+    """``python -m evals math ARGS --dry-run``: what the run would do, as JSON;
+    by default on a model folder without a tokenizer (plain prompts; loading
+    a tokenizer costs seconds), ``model=""``: the embedded model."""
+    model = BARE_MODEL if model is None else model
+    return json.loads(ok(math_cli(*args, *(("--model", model) if model else ()), "--dry-run", **kw)))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def bare_model(tmp_path_factory):
+    """A model folder with a config and nothing else."""
+    global BARE_MODEL
+    d = tmp_path_factory.mktemp("bare_model")
+    (d / "config.json").write_text("{}")
+    BARE_MODEL = str(d)
+    return BARE_MODEL
+
+
+def usage_error(out) -> str:
+    """The one ``error:`` line of a command that exited 2."""
+    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
+    assert "Traceback" not in out.stderr
+    return lines[0]
+
+
+def load_error(out) -> str:
+    """The ``error:`` line of a command that exited 2 on a dataset it could not
+    load (the ``datasets`` package may print progress lines before it)."""
+    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+    assert "Traceback" not in out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and errors[0].startswith("error: ") and errors[0].strip() == out.stderr.strip().splitlines()[-1]
+    assert out.stdout == ""
+    return errors[0]
+
+
+def rule(r):
+    """A StopRule (or None) as the dry run prints it."""
+    return None if r is None else dataclasses.asdict(r)
 
 
 @pytest.fixture
@@ -49,12 +94,6 @@ def fake_model(tmp_path):
 # ---------------------------------------------------------------------------
 # Bad arguments: one error line, exit code 2, no traceback, no engine
 # ---------------------------------------------------------------------------
-
-
-def run_main(argv, capsys):
-    rc = math_eval.main(argv)
-    err = capsys.readouterr().err
-    return rc, err
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -82,87 +121,101 @@ def run_main(argv, capsys):
     (["--option", "no_such_option=1"], "bad --option"),
     (["--bogus-flag"], "unrecognized arguments"),
 ])
-def test_bad_arguments_exit_2_with_one_line(argv, message, small_jsonl, fake_model, capsys):
-    base = ["--dataset", small_jsonl, "--model", fake_model]
-    rc, err = run_main(base + argv, capsys)
-    assert rc == 2
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert message in lines[0]
-    assert "Traceback" not in err
+def test_bad_arguments_exit_2_with_one_line(argv, message, small_jsonl, fake_model):
+    # --dry-run as well: the error comes first, so nothing is printed and no engine starts
+    out = math_cli("--dataset", small_jsonl, "--model", fake_model, *argv, "--dry-run")
+    assert message in usage_error(out)
+    assert out.stdout == ""
 
 
-def test_model_dir_without_config_and_missing_embedded_model(tmp_path, small_jsonl, capsys, monkeypatch):
-    rc, err = run_main(["--dataset", small_jsonl, "--model", str(tmp_path)], capsys)
-    assert rc == 2 and "has no config.json" in err
-    import consensus_spec.model as embedded
-    monkeypatch.setattr(embedded, "MODEL_DIR", tmp_path / "absent")
-    rc, err = run_main(["--dataset", small_jsonl], capsys)
-    assert rc == 2 and "embedded model not found" in err and "--model" in err
+def test_model_dir_without_config_and_missing_embedded_model(tmp_path, small_jsonl):
+    line = usage_error(math_cli("--dataset", small_jsonl, "--model", tmp_path, "--dry-run"))
+    assert "has no config.json" in line
+    # the embedded model's folder pointed elsewhere by a stand-in sitecustomize
+    stub = tmp_path / "stub"
+    stub.mkdir()
+    (stub / "sitecustomize.py").write_text(
+        "import pathlib\nimport consensus_spec.model as embedded\n"
+        f"embedded.MODEL_DIR = pathlib.Path({str(tmp_path / 'absent')!r})\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(stub), REPO])}
+    line = usage_error(math_cli("--dataset", small_jsonl, "--dry-run", env=env))
+    assert "embedded model not found" in line and "--model" in line
+    embedded = dry_run("--dataset", small_jsonl, model="")
+    assert embedded["model"] == REPO_MODEL and embedded["tokenizer_error"] is None
 
 
-def test_hub_ids_are_passed_through(fake_model):
-    assert llm.resolve_model("Qwen/Qwen2.5-1.5B-Instruct") == "Qwen/Qwen2.5-1.5B-Instruct"
-    assert llm.resolve_model(fake_model) == fake_model
-    with pytest.raises(configs.UsageError):
-        llm.resolve_model("./not/here")
+def test_hub_ids_are_passed_through(fake_model, small_jsonl):
+    hub = dry_run("--dataset", small_jsonl, model="Qwen/Qwen2.5-1.5B-Instruct")
+    assert hub["model"] == "Qwen/Qwen2.5-1.5B-Instruct"
+    assert dry_run("--dataset", small_jsonl, model=fake_model)["model"] == fake_model
+    assert "model directory not found" in usage_error(
+        math_cli("--dataset", small_jsonl, "--model", "./not/here", "--dry-run"))
 
 
 def test_parse_args_normalises_lists(small_jsonl):
-    args = math_eval.parse_args(["--dataset", small_jsonl, "--n", "16", "4", "4",
-                                 "--methods", "consensus", "none", "consensus",
-                                 "--early-stop", "--waves", "all", "1,rest"])
-    assert args.n == [4, 16]
-    assert args.methods == ["consensus", "none"]
-    assert args.early_stop == [StopRule()]
-    assert [s.waves for s in args.waves] == [("rest",), (1, "rest")]
-    assert math_eval.parse_args([]).early_stop == [None]
-    assert configs.parse_early_stop(["off", "decided", "2", "on", "predictive:0.1", "window:5",
-                                       "margin:4", "beta"]) == [
+    got = dry_run("--dataset", small_jsonl, "--n", "16", "4", "4",
+                  "--methods", "consensus", "none", "consensus", "--early-stop", "--waves", "all", "1,rest")
+    assert got["n"] == [4, 16]
+    assert got["methods"] == ["consensus", "none"]
+    assert got["early_stop"] == [rule(StopRule())]
+    assert got["waves"] == [{"waves": ["rest"], "fill_idle": True}, {"waves": [1, "rest"], "fill_idle": True}]
+    assert dry_run("--dataset", small_jsonl)["early_stop"] == [None]
+    got = dry_run("--dataset", small_jsonl, "--early-stop", "off", "decided", "2", "on", "predictive:0.1",
+                  "window:5", "margin:4", "beta")
+    assert got["early_stop"] == [rule(r) for r in (
         None, StopRule(kind="decided"), StopRule(kind="margin", margin=2, min_samples=1),
         StopRule(), StopRule(kind="predictive", error=0.1), StopRule(kind="window", window=5),
-        StopRule(kind="margin", margin=4), StopRule(kind="beta")]
-    assert configs.parse_waves(None) == ["auto"]
-    parsed = configs.parse_waves(["auto", "all", "1,2,4,rest", "4", "4+no-fill"])
-    assert parsed[0] == "auto"
-    assert [(s.waves, s.fill_idle) for s in parsed[1:]] == [
-        (("rest",), True), ((1, 2, 4, "rest"), True), ((4,), True), ((4,), False)]
+        StopRule(kind="margin", margin=4), StopRule(kind="beta"))]
+    assert dry_run("--dataset", small_jsonl)["waves"] == ["auto"]
+    got = dry_run("--dataset", small_jsonl, "--early-stop", "--waves", "auto", "all", "1,2,4,rest", "4",
+                  "4+no-fill")
+    assert got["waves"] == ["auto"] + [{"waves": w, "fill_idle": f} for w, f in (
+        (["rest"], True), ([1, 2, 4, "rest"], True), ([4], True), ([4], False))]
 
 
-def test_configs_pair_plain_and_adaptive_runs():
-    args = math_eval.parse_args(["--n", "16", "--early-stop", "off", "on"])
-    assert [(n, s, r) for n, s, r in args.configs] == [
-        (16, Schedule(waves=("rest",)), None), (16, Schedule(), StopRule())]
-    args = math_eval.parse_args(["--n", "8", "16", "--waves", "auto", "2,rest", "--early-stop",
-                                 "off", "decided", "--check", "path", "--capacity", "64"])
-    got = [(n, s.describe(), s.capacity, configs.early_stop_label(r)) for n, s, r in args.configs]
-    assert got == [(n, w, 64, e) for n in (8, 16) for w, e in (
-        ("all", "off"), ("2+path-check", "decided"), ("2,rest", "off"),
-        ("2,rest+path-check", "decided"))]
+def configs(got):
+    return [(c["n"], Schedule(waves=tuple(c["waves"]), capacity=c["capacity"], check=c["check"],
+                              fill_idle=c["fill_idle"]),
+             None if c["stop_rule"] is None else StopRule(**c["stop_rule"])) for c in got["configs"]]
+
+
+def test_configs_pair_plain_and_adaptive_runs(small_jsonl):
+    got = dry_run("--dataset", small_jsonl, "--n", "16", "--early-stop", "off", "on")
+    assert configs(got) == [(16, Schedule(waves=("rest",)), None), (16, Schedule(), StopRule())]
+    got = dry_run("--dataset", small_jsonl, "--n", "8", "16", "--waves", "auto", "2,rest", "--early-stop",
+                  "off", "decided", "--check", "path", "--capacity", "64")
+    assert [(c["n"], c["schedule"], c["capacity"], c["early_stop"]) for c in got["configs"]] == [
+        (n, w, 64, e) for n in (8, 16) for w, e in (
+            ("all", "off"), ("2+path-check", "decided"), ("2,rest", "off"), ("2,rest+path-check", "decided"))]
+    assert [s.describe() for _, s, _ in configs(got)] == [c["schedule"] for c in got["configs"]]
     # all at once can only stop with per-path checks; the useless combination is skipped
-    args = math_eval.parse_args(["--waves", "all", "4,rest", "--early-stop", "on"])
-    assert [s.describe() for _, s, _ in args.configs] == ["4,rest"]
+    out = math_cli("--dataset", small_jsonl, "--waves", "all", "4,rest", "--early-stop", "on", "--dry-run")
+    assert [c["schedule"] for c in json.loads(ok(out))["configs"]] == ["4,rest"]
+    assert "note: skipping waves all with early stop" in out.stderr
 
 
 def test_spec_configs(small_jsonl):
-    args = math_eval.parse_args(["--k", "5", "--ngram-lookup", "2", "4", "--option", "min_prob=0.3"])
-    assert llm.spec_config("none", args) is None
-    assert llm.spec_config("ngram", args) == {
+    got = dry_run("--dataset", small_jsonl, "--methods", "none", "ngram", "suffix", "consensus",
+                  "--k", "5", "--ngram-lookup", "2", "4", "--option", "min_prob=0.3")
+    spec, extra = got["speculative_config"], got["additional_config"]
+    assert spec["none"] is None
+    assert spec["ngram"] == {
         "method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    assert llm.spec_config("suffix", args) == {"method": "suffix", "num_speculative_tokens": 5}
-    cfg = llm.spec_config("consensus", args)
-    assert cfg == {"method": "custom_class", "model": "consensus_spec.ConsensusProposer",
-                   "num_speculative_tokens": 5}
-    assert llm.engine_options("consensus", args) == {"consensus_spec": {"min_prob": 0.3}}
-    assert llm.engine_options("ngram", args) == {}
+    assert spec["suffix"] == {"method": "suffix", "num_speculative_tokens": 5}
+    assert spec["consensus"] == {"method": "custom_class", "model": "consensus_spec.ConsensusProposer",
+                                 "num_speculative_tokens": 5}
+    assert extra["consensus"] == {"consensus_spec": {"min_prob": 0.3}}
+    assert extra["ngram"] == {} and extra["none"] == {}
+    # without --ngram-lookup, vLLM's defaults
+    assert dry_run("--dataset", small_jsonl, "--methods", "ngram")["speculative_config"]["ngram"] == {
+        "method": "ngram", "num_speculative_tokens": 8}
 
 
 # ---------------------------------------------------------------------------
-# Datasets and gold answers
+# Datasets and gold answers (loaded by --dry-run from files the tests write)
 # ---------------------------------------------------------------------------
 
-
-@pytest.mark.parametrize("value,field,expected", [
+GOLD_CASES = [
     ("Natalia sold 48/2 = <<48/2=24>>24 clips.\n#### 72", "answer", "72"),
     ("#### 1,234", "answer", "1234"),
     ("#### -5", "answer", "-5"),
@@ -174,34 +227,56 @@ def test_spec_configs(small_jsonl):
     (7.0, "answer", "7"),
     (r"So $x = 2$, hence $\boxed{\dfrac{1}{2}}$.", "solution", r"\dfrac{1}{2}"),
     ("The answer is 17.", "solution", "17"),
-])
-def test_gold_answer(value, field, expected):
-    assert gold_answer(value, field) == expected
+]
 
 
-def test_gold_keys_match_equivalent_predictions():
+@pytest.fixture(scope="module")
+def gold_answers(tmp_path_factory):
+    """{(value, field): gold}: one file per value type (a column holds one type)."""
+    tmp = tmp_path_factory.mktemp("gold")
+    got = {}
+    groups = {}
+    for value, field, _ in GOLD_CASES:
+        groups.setdefault((type(value).__name__, field), []).append(value)
+    for (typ, field), values in groups.items():
+        path = write_jsonl(tmp / f"{typ}_{field}.jsonl", [{"question": f"q{i}", field: v} for i, v in enumerate(values)])
+        problems = dry_run("--dataset", path)["problems"]
+        assert [p["question"] for p in problems] == [f"q{i}" for i in range(len(values))]
+        got.update({(v, field): p["gold"] for v, p in zip(values, problems)})
+    return got
+
+
+@pytest.mark.parametrize("value,field,expected", GOLD_CASES)
+def test_gold_answer(value, field, expected, gold_answers):
+    assert gold_answers[(value, field)] == expected
+
+
+def test_gold_keys_match_equivalent_predictions(tmp_path):
     from consensus_spec.voting.answers import answers_equal
-    assert MathProblem("0", "q", gold_answer("#### 1,234")).gold_key == "1234"
-    assert answers_equal(r"\boxed{1,234}"[7:-1], gold_answer("#### 1,234"))
-    assert answers_equal("0.5", gold_answer(r"\boxed{\frac{1}{2}}", "solution"))
+    path = write_jsonl(tmp_path / "g.jsonl", [{"question": "a", "answer": "#### 1,234"},
+                                              {"question": "b", "solution": r"\boxed{\frac{1}{2}}"}])
+    thousand, half = dry_run("--dataset", path)["problems"]
+    assert thousand["gold_key"] == "1234"
+    assert answers_equal(r"\boxed{1,234}"[7:-1], thousand["gold"])
+    assert answers_equal("0.5", half["gold"])
 
 
 def test_load_local_jsonl(small_jsonl):
-    probs = load_problems(small_jsonl)
-    assert [p.gold for p in probs] == ["3", "1234", "8"]
-    assert probs[0].question == "one plus two is" and probs[0].kind == "math"
-    assert [p.id for p in probs] == ["0", "1", "2"]
-    assert len(load_problems(small_jsonl, limit=2)) == 2
+    probs = dry_run("--dataset", small_jsonl)["problems"]
+    assert [p["gold"] for p in probs] == ["3", "1234", "8"]
+    assert probs[0]["question"] == "one plus two is" and probs[0]["kind"] == "math"
+    assert [p["id"] for p in probs] == ["0", "1", "2"]
+    assert len(dry_run("--dataset", small_jsonl, "--limit", "2")["problems"]) == 2
 
 
 def test_load_other_fields_and_formats(tmp_path):
     rows = [{"id": "a", "problem": "Compute 1/2 + 0", "solution": r"It is $\boxed{\frac12}$."},
             {"id": "b", "problem": "2+2", "answer": 4}]
-    probs = load_problems(write_jsonl(tmp_path / "mixed.jsonl", rows))
-    assert [(p.id, p.gold) for p in probs] == [("a", r"\frac12"), ("b", "4")]
+    probs = dry_run("--dataset", write_jsonl(tmp_path / "mixed.jsonl", rows))["problems"]
+    assert [(p["id"], p["gold"]) for p in probs] == [("a", r"\frac12"), ("b", "4")]
     path = tmp_path / "list.json"
     path.write_text(json.dumps([{"question": "q", "answer": "#### 9"}]))
-    assert load_problems(str(path))[0].gold == "9"
+    assert dry_run("--dataset", path)["problems"][0]["gold"] == "9"
 
 
 def test_load_parquet(tmp_path):
@@ -209,93 +284,119 @@ def test_load_parquet(tmp_path):
     import pyarrow.parquet as pq
     path = str(tmp_path / "set.parquet")
     pq.write_table(pa.table({"problem": ["1+1", "2+3"], "answer": ["2", "5"]}), path)
-    assert [p.gold for p in load_problems(path)] == ["2", "5"]
+    assert [p["gold"] for p in dry_run("--dataset", path)["problems"]] == ["2", "5"]
 
 
 def test_bad_files(tmp_path):
-    with pytest.raises(DatasetError, match="needs a question field"):
-        load_problems(write_jsonl(tmp_path / "x.jsonl", [{"text": "hello"}]))
+    line = load_error(math_cli("--dataset", write_jsonl(tmp_path / "x.jsonl", [{"text": "hello"}]), "--dry-run"))
+    assert "needs a question field" in line
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    with pytest.raises(DatasetError):
-        load_problems(str(empty))
-    with pytest.raises(DatasetError, match="unsupported dataset file"):
-        (tmp_path / "data.csv").write_text("a,b\n")
-        load_problems(str(tmp_path / "data.csv"))
+    assert str(empty) in load_error(math_cli("--dataset", empty, "--dry-run"))
+    (tmp_path / "data.csv").write_text("a,b\n")
+    assert "unsupported dataset file" in load_error(math_cli("--dataset", tmp_path / "data.csv", "--dry-run"))
 
 
 def test_synthetic_set():
-    from consensus_spec.model.synthetic import test_set
-    probs = load_problems("synthetic", limit=5)
+    from consensus_spec.model.synthetic import format_prompt, test_set
+    got = dry_run("--dataset", "synthetic", "--limit", "5")
     ref = test_set(5)
-    assert [p.gold for p in probs] == [str(r["answer"]) for r in ref]
-    assert all(p.kind == "synthetic" for p in probs)
+    assert [p["gold"] for p in got["problems"]] == [str(r["answer"]) for r in ref]
+    assert all(p["kind"] == "synthetic" for p in got["problems"])
+    # the embedded model's training format, whatever the tokenizer
+    assert [p["prompt"] for p in got["problems"]] == [format_prompt(r["question"]) for r in ref]
+    assert got["prompt_style"] == "synthetic.format_prompt" and got["max_tokens"] == 256
 
 
 # Rows in the layouts of ../shared/data/math/ (see its README), made up here: the named
-# sets are read from that folder, which a clone may lack, so the test points it at these.
+# sets are read from that folder beside the repository, which a clone may lack, so the
+# test runs the evals package from a folder of links whose ../shared/data/math has these.
 SHARED_LAYOUTS = {
-    "gsm8k": [{"question": f"Ann has {i} pens and buys {i + 2} more. How many pens does she have?",
-               "answer": f"She has {i} + {i + 2} = {2 * i + 2} pens.\n#### {2 * i + 2:,}"}
-              for i in (1, 4, 7, 600, 9)],
-    "math500": [{"problem": f"Compute $\\frac{{{i}}}{{3}}$.", "solution": f"It is $\\boxed{{\\frac{{{i}}}{{3}}}}$.",
-                 "answer": f"\\frac{{{i}}}{{3}}", "subject": "Algebra", "level": 1,
-                 "unique_id": f"test/algebra/{i}.json"} for i in range(1, 6)],
-    "aime2024": [{"id": 60 + i, "problem": f"Find the remainder when $7^{i}$ is divided by 1000.",
-                  "solution": f"... so the answer is $\\boxed{{{7 ** i % 1000}}}$.",
-                  "answer": str(7 ** i % 1000)} for i in range(1, 6)],
+    "gsm8k": ("gsm8k_test.jsonl",
+              [{"question": f"Ann has {i} pens and buys {i + 2} more. How many pens does she have?",
+                "answer": f"She has {i} + {i + 2} = {2 * i + 2} pens.\n#### {2 * i + 2:,}"}
+               for i in (1, 4, 7, 600, 9)]),
+    "math500": ("math500_test.jsonl",
+                [{"problem": f"Compute $\\frac{{{i}}}{{3}}$.", "solution": f"It is $\\boxed{{\\frac{{{i}}}{{3}}}}$.",
+                  "answer": f"\\frac{{{i}}}{{3}}", "subject": "Algebra", "level": 1,
+                  "unique_id": f"test/algebra/{i}.json"} for i in range(1, 6)]),
+    "aime2024": ("aime2024_test.jsonl",
+                 [{"id": 60 + i, "problem": f"Find the remainder when $7^{i}$ is divided by 1000.",
+                   "solution": f"... so the answer is $\\boxed{{{7 ** i % 1000}}}$.",
+                   "answer": str(7 ** i % 1000)} for i in range(1, 6)]),
 }
 
 
 @pytest.mark.parametrize("name", ["gsm8k", "math500", "aime2024"])
-def test_shared_sets(name, tmp_path, monkeypatch):
-    import evals.math.datasets
-
-    write_jsonl(tmp_path / HUB[name][0], SHARED_LAYOUTS[name] * 2)
-    monkeypatch.setattr(evals.math.datasets, "SHARED_MATH", str(tmp_path))
-    probs = load_problems(name, limit=5)
-    assert len(probs) == 5 and all(p.question and p.gold for p in probs)
+def test_shared_sets(name, tmp_path):
+    root = tmp_path / "checkout"
+    root.mkdir()
+    for package in ("evals", "consensus_spec"):
+        (root / package).symlink_to(os.path.join(REPO, package))
+    (tmp_path / "shared" / "data" / "math").mkdir(parents=True)
+    filename, rows = SHARED_LAYOUTS[name]
+    write_jsonl(tmp_path / "shared" / "data" / "math" / filename, rows * 2)
+    probs = dry_run("--dataset", name, "--limit", "5", cwd=root)["problems"]
+    assert len(probs) == 5 and all(p["question"] and p["gold"] for p in probs)
     if name == "gsm8k":
-        assert all(p.gold.lstrip("-").replace(".", "").isdigit() for p in probs)
-        assert "####" not in probs[0].gold and probs[3].gold == "1202"  # thousands comma dropped
+        assert all(p["gold"].lstrip("-").replace(".", "").isdigit() for p in probs)
+        assert "####" not in probs[0]["gold"] and probs[3]["gold"] == "1202"  # thousands comma dropped
     if name == "math500":
-        assert probs[0].gold == "\\frac{1}{3}" and probs[0].id == "test/algebra/1.json"
+        assert probs[0]["gold"] == "\\frac{1}{3}" and probs[0]["id"] == "test/algebra/1.json"
     if name == "aime2024":
-        assert [p.gold for p in probs] == ["7", "49", "343", "401", "807"] and probs[0].id == "61"
+        assert [p["gold"] for p in probs] == ["7", "49", "343", "401", "807"] and probs[0]["id"] == "61"
 
 
 # ---------------------------------------------------------------------------
-# Prompts
+# Prompts: built with the model directory's tokenizer, as the run builds them
 # ---------------------------------------------------------------------------
 
-
-class FakeTokenizer:
-    bos_token, bos_token_id = "<s>", 1
-
-    def __init__(self, chat_template=None, adds_bos=True):
-        self.chat_template = chat_template
-        self.adds_bos = adds_bos
-
-    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
-        assert not tokenize and add_generation_prompt
-        return "<s>[USER]" + messages[0]["content"] + "[/USER]"
-
-    def __call__(self, text):
-        return SimpleNamespace(input_ids=([1] if self.adds_bos else []) + [5])
+MATH_INSTRUCTION = ("Solve the following math problem. Reason step by step, and put your final answer "
+                    "within \\boxed{}.")
 
 
-def test_prompts():
-    prob = MathProblem("0", "What is 2+2?", "4")
-    plain = build_prompt(prob, FakeTokenizer())
+def tokenizer_dir(path, chat_template=None, adds_bos=True) -> str:
+    """A model folder with a word-level tokenizer; BOS ``<s>`` (id 1) added to
+    every text when ``adds_bos``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    path.mkdir()
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "<s>": 1, "x": 5}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if adds_bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "unk_token": "[UNK]"}
+    if chat_template:
+        config["chat_template"] = chat_template
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    (path / "config.json").write_text("{}")
+    return str(path)
+
+
+def test_prompts(tmp_path):
+    data = write_jsonl(tmp_path / "q.jsonl", [{"question": "What is 2+2?", "answer": "4"}])
+    template = "<s>[USER]{{ messages[0]['content'] }}[/USER]"
+
+    def prompt(model):
+        got = dry_run("--dataset", data, model=model)
+        assert got["tokenizer_error"] is None
+        return got["prompt_style"], got["problems"][0]["prompt"]
+
+    style, plain = prompt(tokenizer_dir(tmp_path / "plain"))
+    assert style == "plain Question/Answer + boxed"
     assert plain.startswith(MATH_INSTRUCTION) and plain.endswith("Question: What is 2+2?\nAnswer:")
     assert "\\boxed{}" in plain
-    chat = build_prompt(prob, FakeTokenizer(chat_template="{{ x }}"))
+    style, chat = prompt(tokenizer_dir(tmp_path / "chat", chat_template=template))
+    assert style == "chat template + boxed"
     assert chat.startswith("[USER]") and "What is 2+2?" in chat  # BOS not doubled
-    chat_keep = build_prompt(prob, FakeTokenizer(chat_template="{{ x }}", adds_bos=False))
+    assert chat == f"[USER]{MATH_INSTRUCTION}\n\nWhat is 2+2?[/USER]"
+    _, chat_keep = prompt(tokenizer_dir(tmp_path / "keep", chat_template=template, adds_bos=False))
     assert chat_keep.startswith("<s>[USER]")
+    # synthetic problems keep their own format with any tokenizer: test_synthetic_set
+    synth = dry_run("--dataset", "synthetic", "--limit", "1", model=str(tmp_path / "chat"))["problems"][0]
     from consensus_spec.model.synthetic import format_prompt
-    synth = MathProblem("s", "Mia has 3 apples.", "3", "synthetic")
-    assert build_prompt(synth, FakeTokenizer(chat_template="x")) == format_prompt("Mia has 3 apples.")
+    assert synth["prompt"] == format_prompt(synth["question"])
 
 
 # ---------------------------------------------------------------------------
@@ -303,20 +404,24 @@ def test_prompts():
 # ---------------------------------------------------------------------------
 
 
-def fake_result(answers, voted, stopped=False):
-    samples = [SimpleNamespace(answer=a) for a in answers]
-    return SimpleNamespace(samples=samples, answer=voted, agreement=0.5, stopped_early=stopped,
-                           num_tokens=10 * len(answers), num_aborted=0)
+def from_json(tmp_path, rows, *args, name="r"):
+    """``python -m evals math --from-json`` on ``rows`` written as a results
+    file: (its stdout, the JSON it writes, its output prefix)."""
+    src = tmp_path / f"{name}_in.json"
+    src.write_text(json.dumps({"dataset": "made-up", "num_problems": len(rows[0]["per_problem"]),
+                               "results": rows}))
+    out = tmp_path / name
+    stdout = ok(math_cli("--from-json", src, "--out", out, *args))
+    return stdout, json.loads((tmp_path / f"{name}.json").read_text()), out
 
 
-def test_score_pass1_and_majority():
-    probs = [MathProblem("0", "q", "0.5"), MathProblem("1", "q", "3")]
-    run = [fake_result([r"\frac{1}{2}", "0.5", "2", None], r"\frac{1}{2}"),
-           fake_result(["4", "4"], "4")]
-    acc = math_report.score(run, probs)
-    assert acc["pass_at_1"] == pytest.approx((2 / 4 + 0) / 2)
-    assert acc["maj_at_n"] == 0.5
-    assert acc["per_problem"][0]["correct"] and not acc["per_problem"][1]["correct"]
+def row(method, n, per_problem, waves="all", early_stop="off", stop_rule=None, wave_sizes=None, **kw):
+    """A result row as ``python -m evals math`` writes it."""
+    return dict(dict(method=method, n=n, waves=waves, early_stop=early_stop, problems=len(per_problem),
+                     pass_at_1=0.5, maj_at_n=0.5, mean_acceptance_length=None, drafted_tokens=0,
+                     accepted_tokens=0, est_tokens_saved=0, stop_rule=rule(stop_rule),
+                     wave_sizes=wave_sizes or [n], check="wave", tokens=100, wall_time_s=10.0,
+                     tokens_per_s=10.0, per_problem=per_problem), **kw)
 
 
 def problem(i, answer, answers=None, gold="1"):
@@ -325,28 +430,38 @@ def problem(i, answer, answers=None, gold="1"):
                 sample_tokens=[10] * len(answers))
 
 
+def test_score_pass1_and_majority(tmp_path):
+    per_problem = [problem(0, r"\frac{1}{2}", [r"\frac{1}{2}", "0.5", "2", None], gold="0.5"),
+                   problem(1, "4", ["4", "4"], gold="3")]
+    _, data, _ = from_json(tmp_path, [row("none", 4, per_problem)])
+    (acc,) = data["results"]
+    assert acc["pass_at_1"] == pytest.approx((2 / 4 + 0) / 2)  # re-graded from the recorded answers
+    assert acc["maj_at_n"] == 0.5
+    assert acc["per_problem"][0]["correct"] and not acc["per_problem"][1]["correct"]
+    assert [p["samples_correct"] for p in acc["per_problem"]] == [2, 0]
+
+
 def make_rows():
-    base = dict(waves="all", early_stop="off", problems=2, pass_at_1=0.5, maj_at_n=0.5,
-                mean_acceptance_length=None, drafted_tokens=0, accepted_tokens=0, est_tokens_saved=0,
-                _stop_rule=None, wave_sizes=[4], check="wave")
     plain_pp = [problem(0, "1", ["1", "1", "1", "2"]), problem(1, "2", ["2", "3", "2", "3"])]
-    adaptive = dict(base, waves="2,rest", early_stop="decided", _stop_rule=StopRule(kind="decided"),
-                    wave_sizes=[2, 2], method="consensus", n=4, tokens=60, wall_time_s=3.0,
-                    tokens_per_s=20.0, per_problem=[problem(0, "1.0"), problem(1, "3")])
-    return [dict(base, method="none", n=4, tokens=100, wall_time_s=10.0, tokens_per_s=10.0,
-                 per_problem=plain_pp),
-            dict(base, method="consensus", n=4, tokens=120, wall_time_s=6.0, tokens_per_s=20.0,
-                 mean_acceptance_length=2.5, drafted_tokens=80, accepted_tokens=30,
-                 per_problem=[problem(0, "1"), problem(1, "3")]),
+    adaptive = row("consensus", 4, [problem(0, "1.0"), problem(1, "3")], waves="2,rest", early_stop="decided",
+                   stop_rule=StopRule(kind="decided"), wave_sizes=[2, 2], tokens=60, wall_time_s=3.0,
+                   tokens_per_s=20.0)
+    return [row("none", 4, plain_pp),
+            row("consensus", 4, [problem(0, "1"), problem(1, "3")], tokens=120, wall_time_s=6.0,
+                tokens_per_s=20.0, mean_acceptance_length=2.5, drafted_tokens=80, accepted_tokens=30),
             adaptive,
-            dict(base, method="consensus", n=8, tokens=200, wall_time_s=8.0, tokens_per_s=25.0,
-                 per_problem=plain_pp)]
+            row("consensus", 8, plain_pp, tokens=200, wall_time_s=8.0, tokens_per_s=25.0)]
+
+
+def tradeoff_table(stdout) -> list[str]:
+    """The trade-off table lines in the command's stdout."""
+    lines = stdout.split("stop rules replayed on the plain runs' samples:\n")[1].splitlines()
+    return lines[:next(i for i, line in enumerate(lines) if not line.startswith("|"))]
 
 
 def test_comparisons_table_and_plots(tmp_path):
-    rows = make_rows()
-    math_report.add_comparisons(rows)
-    none, cons, adaptive, cons8 = rows
+    stdout, data, out = from_json(tmp_path, make_rows(), "--tradeoff-rules", "decided", "predictive:0.2")
+    none, cons, adaptive, cons8 = data["results"]
     assert none["speedup"] == 1.0 and none["wall_speedup"] == 1.0
     assert cons["speedup"] == pytest.approx(2.0) and cons["wall_speedup"] == pytest.approx(10 / 6)
     assert adaptive["speedup"] is None  # no `none` run with these waves and rule
@@ -357,37 +472,57 @@ def test_comparisons_table_and_plots(tmp_path):
     # replayed on plain consensus: problem 0 ["1"], problem 1 ["3"]: one sample each, nothing to stop
     assert adaptive["replay_agreement"] == 1.0 and adaptive["replay_tokens"] == 1.0
     assert cons8["speedup"] is None and cons8["wall_speedup"] is None  # no plain none at n=8
-    assert math_report.noise_floor(rows) == [("none", "consensus", 4, 0.5)]
-    table = math_report.markdown(rows)
+    table = stdout.split("\nstop rules replayed")[0]
+    # the noise floor: plain none and plain consensus at n=4 agree on 1 of 2 answers, nothing else pairs
+    floor = [line for line in table.splitlines() if line.startswith("Full-n answer agreement")]
+    assert len(floor) == 1 and floor[0].endswith("): none vs consensus (n=4) 0.500")
     assert table.count("\n| ") == 4 and "| consensus | 4 | 2,rest | decided |" in table
-    assert "none vs consensus (n=4) 0.500" in table
-    points = math_report.tradeoff(rows, rules=["decided", "predictive:0.2"])
+    assert table in (tmp_path / "r.md").read_text()
+    points = data["tradeoff_replay"]
     assert {(p["method"], p["n"], p["waves"], p["rule"]) for p in points} == {
         (m, n, "2,rest", r) for m, n in (("none", 4), ("consensus", 4), ("consensus", 8))
         for r in ("decided", "predictive(error=0.2, min=3)")}
-    md = math_report.tradeoff_markdown(points)
-    assert md.count("\n") == len(points) + 1
-    assert math_report.plot(rows, str(tmp_path / "p.png"))
-    assert math_report.plot_tradeoff(rows, points, str(tmp_path / "t.png"))
-    assert (tmp_path / "p.png").stat().st_size > 1000 and (tmp_path / "t.png").stat().st_size > 1000
+    md = tradeoff_table(stdout)
+    assert len(md) == len(points) + 2
+    assert "\n".join(md) in (tmp_path / "r.md").read_text()
+    for png in ("r.png", "r_tradeoff.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+    assert f"wrote {out}.json, {out}.md, {out}.png, {out}_tradeoff.png" in stdout
 
 
-def test_replay_measures_stopping_error_on_plain_samples():
+def test_replay_measures_stopping_error_on_plain_samples(tmp_path):
     # problem 0: unanimous -> predictive stops after the first wave of 4 (4/16 of the tokens);
     # problem 1: 10-6 for "2", but the first wave of 4 is unanimous for "1"
     unanimous = ["5"] * 16
     misleading = ["1"] * 6 + ["2"] * 2 + ["2"] * 8
-    plain = dict(per_problem=[
-        dict(id="0", gold="5", answer="5", answers=unanimous, sample_tokens=[10] * 16),
-        dict(id="1", gold="2", answer="2", answers=misleading, sample_tokens=[10] * 16)],
-        maj_at_n=1.0)
-    exact = math_report.replay(plain, [4, 4, 8], StopRule(kind="decided"))
-    assert exact["agreement"] == 1.0 and exact["maj"] == 1.0
-    rep = math_report.replay(plain, [4, 4, 8], StopRule())
-    assert rep["tokens_frac"] == pytest.approx((4 + 4) / 32)
-    assert rep["agreement"] == 0.5 and rep["maj"] == 0.5  # problem 1 stopped on the wrong leader
-    per_path = math_report.replay(plain, [16], StopRule(), check="path")
-    assert per_path["tokens_frac"] <= rep["tokens_frac"]
+    plain = row("none", 16, [problem(0, "5", unanimous, gold="5"), problem(1, "2", misleading, gold="2")])
+    waves = dict(waves="4,4,rest", wave_sizes=[4, 4, 8])
+    rows = [plain,
+            row("none", 16, plain["per_problem"], early_stop="decided", stop_rule=StopRule(kind="decided"), **waves),
+            row("none", 16, plain["per_problem"], early_stop="on", stop_rule=StopRule(), **waves),
+            row("none", 16, plain["per_problem"], waves="all+path-check", early_stop="on", stop_rule=StopRule(),
+                check="path")]
+    _, data, _ = from_json(tmp_path, rows, "--tradeoff-rules", "decided", "on")
+    plain, exact, rep, per_path = data["results"]
+    assert plain["maj_at_n"] == 1.0
+    points = {(p["waves"], p["rule"]): p for p in data["tradeoff_replay"]}
+    assert exact["replay_agreement"] == 1.0
+    assert points[("4,4,rest", "decided")]["agreement"] == 1.0 and points[("4,4,rest", "decided")]["maj"] == 1.0
+    assert rep["replay_tokens"] == pytest.approx((4 + 4) / 32)
+    assert rep["replay_agreement"] == 0.5  # problem 1 stopped on the wrong leader
+    on = points[("4,4,rest", StopRule().describe())]
+    assert on["tokens_frac"] == pytest.approx((4 + 4) / 32) and on["agreement"] == 0.5 and on["maj"] == 0.5
+    assert per_path["replay_tokens"] <= rep["replay_tokens"]
+
+
+def test_from_json_errors(tmp_path):
+    assert "file not found" in usage_error(math_cli("--from-json", tmp_path / "none.json"))
+    (tmp_path / "bad.json").write_text("{}")
+    assert "not a results file" in usage_error(math_cli("--from-json", tmp_path / "bad.json"))
+    (tmp_path / "old.json").write_text(json.dumps({"results": [dict(row("none", 4, []), early_stop="decided",
+                                                                    stop_rule=None)]}))
+    assert "has no stop_rule" in usage_error(math_cli("--from-json", tmp_path / "old.json"))
+    assert "--tradeoff-rules takes stop rules" in usage_error(math_cli("--tradeoff-rules", "off"))
 
 
 # ---------------------------------------------------------------------------
@@ -397,20 +532,18 @@ def test_replay_measures_stopping_error_on_plain_samples():
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_cli_end_to_end_on_tiny_llama(tmp_path, small_jsonl, capsys, monkeypatch):
+def test_cli_end_to_end_on_tiny_llama(tmp_path, small_jsonl):
     from tests.tiny_model import build_tiny_llama
 
-    # engines in this process, as the CLI runs them on CPU: two in a row, after
-    # numba is loaded (vllm_compat makes that work); the KV budget then counts
-    # this process's own memory too, hence the larger utilization
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # engines run in the command's own process on CPU, as it runs them by default there
+    # (two in a row, after numba is loaded: vllm_compat makes that work); the KV budget
+    # then counts that process's own memory too, hence the larger utilization
     model = build_tiny_llama(str(tmp_path / "tiny"))
     out = tmp_path / "res" / "math"
-    rc = math_eval.main(["--dataset", small_jsonl, "--model", model, "--n", "2", "--limit", "2",
+    stdout = ok(math_cli("--dataset", small_jsonl, "--model", model, "--n", "2", "--limit", "2",
                          "--methods", "none", "consensus", "--max-tokens", "16",
                          "--dtype", "float32", "--gpu-memory-utilization", "0.2",
-                         "--max-model-len", "256", "--out", str(out)])
-    assert rc == 0
+                         "--max-model-len", "256", "--out", out, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}))
     data = json.loads((tmp_path / "res" / "math.json").read_text())
     rows = {r["method"]: r for r in data["results"]}
     assert set(rows) == {"none", "consensus"} and data["num_problems"] == 2
@@ -426,11 +559,12 @@ def test_cli_end_to_end_on_tiny_llama(tmp_path, small_jsonl, capsys, monkeypatch
     assert rows["consensus"]["mean_acceptance_length"] >= 1.0
     assert (tmp_path / "res" / "math.md").read_text().count("| consensus |") == 1
     assert (tmp_path / "res" / "math.png").exists()
-    assert "| none |" in capsys.readouterr().out
+    assert "| none |" in stdout
+    assert not (tmp_path / "res" / "math.partial.json").exists()
+    assert all(r["stop_rule"] is None for r in rows.values())  # plain runs: what --from-json rebuilds
 
 
-def test_waves_simulation_on_plain_samples(tmp_path, capsys):
-    from evals.adaptive import waves_sim
+def test_waves_simulation_on_plain_samples(tmp_path):
     rng = __import__("random").Random(0)
     per_problem = []
     for i in range(12):
@@ -441,9 +575,8 @@ def test_waves_simulation_on_plain_samples(tmp_path, capsys):
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"results": [dict(method="none", n=16, waves="all", early_stop="off",
                                                  per_problem=per_problem)]}))
-    assert waves_sim.main([str(path), "--waves", "4,4,rest", "all", "--rules", "on", "decided",
-                           "--capacity", "32", "--perms", "2"]) == 0
-    out = capsys.readouterr().out
+    out = ok(run_evals("waves-sim", path, "--waves", "4,4,rest", "all", "--rules", "on", "decided",
+                       "--capacity", "32", "--perms", "2"))
     rows = [line for line in out.splitlines() if line.startswith("| 4,4,rest") or line.startswith("| all")]
     assert len(rows) == 4
     # all at once never stops: exactly the baseline; waves + predictive saves tokens

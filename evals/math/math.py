@@ -18,6 +18,11 @@ run's samples, generated tokens, tokens/s, wall time, batch fill, vLLM's
 spec-decode counters and speedups: tokens/s over ``none`` at the same
 settings, wall time over plain ``none``.  Writes PREFIX.json, PREFIX.md,
 PREFIX.png and, with early stop, PREFIX_tradeoff.png (tokens vs agreement).
+
+Without an engine: ``--dry-run`` validates, loads the problems and prints them
+with their prompts and the configs to run as JSON; ``--from-json PREFIX.json``
+re-grades an earlier run's rows from their recorded answers and writes the
+comparisons, tables and plots again (``--tradeoff-rules``: the rules replayed).
 """
 
 from __future__ import annotations
@@ -90,6 +95,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-plot", dest="plot", action="store_false")
     ap.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
     ap.add_argument("--out", default="results/math", help="output prefix (.json, .md, .png)")
+    ap.add_argument("--from-json", metavar="RESULTS",
+                    help="no engine: re-grade and re-report the rows of an earlier run's PREFIX.json "
+                         "(pass@1 and maj@n from the recorded answers, comparisons, stop-rule "
+                         "replays, tables, plots), written to --out")
+    ap.add_argument("--tradeoff-rules", nargs="+", metavar="RULE", default=list(report.TRADEOFF_RULES),
+                    help="stop rules replayed on the plain runs' samples for the trade-off table "
+                         "(default: " + " ".join(report.TRADEOFF_RULES) + ")")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="validate, load the problems, print them with their prompts (the model "
+                         "directory's tokenizer, where it has one) and the configs to run as JSON "
+                         "on stdout, and stop: no engine")
     return ap
 
 
@@ -125,6 +141,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise UsageError("--max-num-seqs must be >= 1")
     if args.ngram_lookup and not 1 <= args.ngram_lookup[0] <= args.ngram_lookup[1]:
         raise UsageError("--ngram-lookup needs 1 <= MIN <= MAX")
+    if None in parse_early_stop(args.tradeoff_rules):
+        raise UsageError("--tradeoff-rules takes stop rules, not off")
     args.early_stop = parse_early_stop(args.early_stop)
     args.waves = parse_waves(args.waves)
     args.configs = build_configs(args)
@@ -139,6 +157,57 @@ def parse_args(argv=None) -> argparse.Namespace:
         except (TypeError, ValueError) as e:
             raise UsageError(f"bad --option: {e}")
     return args
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(model: str):
+    """(tokenizer, error): the model directory's Hugging Face tokenizer, as
+    the engine's ``get_tokenizer`` loads it; hub ids are not fetched."""
+    if not os.path.isdir(model):
+        return None, f"{model} is not a local directory"
+    if not any(os.path.exists(os.path.join(model, f)) for f in TOKENIZER_FILES):
+        return None, f"no tokenizer files in {model}"
+    try:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(model), None
+    except Exception as e:  # noqa: BLE001 - a report: say why prompts are plain
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+
+
+def dry_run(args, problems) -> dict:
+    """What a run would do, without an engine: problems, prompts, configs and
+    each method's engine settings."""
+    import dataclasses
+
+    from .llm import engine_options, spec_config
+    from .prompts import build_prompt, prompt_style
+
+    def rule_dict(rule):
+        return None if rule is None else dataclasses.asdict(rule)
+
+    def waves_dict(w):
+        return w if w == "auto" else {"waves": list(w.waves), "fill_idle": w.fill_idle}
+
+    kind = "synthetic" if all(p.kind == "synthetic" for p in problems) else "math"
+    tokenizer, tokenizer_error = load_tokenizer(args.model)
+    return {
+        "dataset": args.dataset, "model": args.model, "methods": args.methods, "n": args.n,
+        "max_tokens": args.max_tokens or DEFAULT_MAX_TOKENS[kind],
+        "early_stop": [rule_dict(r) for r in args.early_stop],
+        "waves": [waves_dict(w) for w in args.waves],
+        "configs": [{"n": n, "waves": list(s.waves), "capacity": s.capacity, "check": s.check,
+                     "fill_idle": s.fill_idle, "schedule": s.describe(), "wave_sizes": s.sizes(n),
+                     "early_stop": early_stop_label(r), "stop_rule": rule_dict(r)}
+                    for n, s, r in args.configs],
+        "speculative_config": {m: spec_config(m, args) for m in args.methods},
+        "additional_config": {m: engine_options(m, args) for m in args.methods},
+        "tokenizer_error": tokenizer_error,
+        "prompt_style": prompt_style(problems, tokenizer),
+        "problems": [{"id": p.id, "question": p.question, "gold": p.gold, "gold_key": p.gold_key,
+                      "kind": p.kind, "prompt": build_prompt(p, tokenizer)} for p in problems],
+    }
 
 
 def write_outputs(args, rows, problems, dataset_name: str, table: str,
@@ -166,9 +235,64 @@ def write_outputs(args, rows, problems, dataset_name: str, table: str,
     return written
 
 
+def load_rows(path: str) -> tuple[dict, list[dict]]:
+    """An earlier run's PREFIX.json and its rows, re-graded: pass@1, maj@n and
+    the per-problem detail from the recorded answers against the recorded gold
+    (:func:`report.score`); each row's stop rule from its ``stop_rule``."""
+    from types import SimpleNamespace
+
+    from consensus_spec.sampling.stopping import StopRule
+
+    from .datasets import MathProblem
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        rows = data["results"]
+    except FileNotFoundError:
+        raise UsageError(f"--from-json: file not found: {path}")
+    except (ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"--from-json: {path} is not a results file ({type(e).__name__}: {e})")
+    for r in rows:
+        spec = r.get("stop_rule")
+        if spec is None and r.get("early_stop", "off") != "off":
+            raise UsageError(f"--from-json: row {r.get('method')} n={r.get('n')} early stop "
+                             f"{r['early_stop']} has no stop_rule (written before it was recorded)")
+        r["_stop_rule"] = None if spec is None else StopRule(**spec)
+        pp = r.get("per_problem") or []
+        run = [SimpleNamespace(
+            samples=[SimpleNamespace(answer=a, num_tokens=t)
+                     for a, t in zip(p["answers"], p.get("sample_tokens") or [0] * len(p["answers"]))],
+            answer=p.get("answer"), agreement=p.get("agreement", 0.0), stopped_early=p.get("stopped_early", False),
+            num_tokens=p.get("tokens", 0), waves=p.get("waves")) for p in pp]
+        acc = report.score(run, [MathProblem(str(p["id"]), "", str(p["gold"])) for p in pp])
+        r.update(pass_at_1=acc["pass_at_1"], maj_at_n=acc["maj_at_n"], per_problem=acc["per_problem"])
+    return data, rows
+
+
+def report_rows(args, rows, problems, dataset_name: str) -> int:
+    """Comparisons, tables, trade-off replay, outputs: after a run or --from-json."""
+    report.add_comparisons(rows)
+    table = report.markdown(rows)
+    print(table)
+    points = None
+    if any(r["_stop_rule"] is not None for r in rows) and any(map(report.is_plain, rows)):
+        points = report.tradeoff(rows, args.tradeoff_rules)
+        print("\nstop rules replayed on the plain runs' samples:\n"
+              + report.tradeoff_markdown(points))
+    written = write_outputs(args, rows, problems, dataset_name, table, points)
+    print("wrote " + ", ".join(written))
+    return 0
+
+
 def main(argv=None) -> int:
     try:
         args = parse_args(argv)
+        if args.from_json:
+            data, rows = load_rows(args.from_json)
+            args.model, args.configs = data.get("args", {}).get("model"), []  # the file's rows, not ours
+            num = data.get("num_problems", max((len(r.get("per_problem") or []) for r in rows), default=0))
+            return report_rows(args, rows, [None] * num, data.get("dataset", args.from_json))
         from .datasets import DatasetError, load_problems, resolve
         try:
             resolve(args.dataset)  # cheap name/file check before the model
@@ -176,6 +300,9 @@ def main(argv=None) -> int:
             problems = load_problems(args.dataset, args.limit)
         except DatasetError as e:
             raise UsageError(str(e))
+        if args.dry_run:
+            print(json.dumps(dry_run(args, problems), indent=1))
+            return 0
         check_dependencies(args.methods)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -194,18 +321,9 @@ def main(argv=None) -> int:
           + ("; CPU: engine in this process (set VLLM_ENABLE_V1_MULTIPROCESSING=1 to override)"
              if in_process else ""), file=sys.stderr)
     rows = run_all(args, problems, max_tokens)
-    report.add_comparisons(rows)
-    table = report.markdown(rows)
-    print(table)
-    points = None
-    if any(r["_stop_rule"] is not None for r in rows) and any(map(report.is_plain, rows)):
-        points = report.tradeoff(rows)
-        print("\nstop rules replayed on the plain runs' samples:\n"
-              + report.tradeoff_markdown(points))
-    written = write_outputs(args, rows, problems, args.dataset, table, points)
+    report_rows(args, rows, problems, args.dataset)
     if os.path.exists(args.out + ".partial.json"):
         os.remove(args.out + ".partial.json")
-    print("wrote " + ", ".join(written))
     return 0
 
 

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -110,6 +111,7 @@ def make_row(method, n, schedule, rule, run, problems, startup, spec, style) -> 
     return dict(
         method=method, n=n, waves=schedule.describe(), early_stop=early_stop_label(rule),
         wave_sizes=schedule.sizes(n), check=schedule.check, _stop_rule=rule,
+        stop_rule=None if rule is None else dataclasses.asdict(rule),
         problems=len(problems),
         pass_at_1=acc["pass_at_1"], maj_at_n=acc["maj_at_n"],
         tokens=tokens, wall_time_s=wall, tokens_per_s=tokens / wall if wall > 0 else None,
