@@ -160,6 +160,8 @@ def call_percentiles(wall: list[float], cpu: list[float]) -> dict:
         for q, label in ((50, "p50"), (99, "p99"), (99.9, "p999")):
             out[f"propose_{name}_ms_{label}"] = float(np.percentile(a, q))
         out[f"propose_{name}_ms_max"] = float(a.max())
+        out[f"propose_{name}_max_call"] = int(a.argmax()) + 1  # 1-based: which call it was
+        out[f"propose_{name}_ms_max_after_first"] = float(a[1:].max()) if len(a) > 1 else 0.0
         out[f"propose_{name}_over_10ms"] = int((a > 10).sum())
     return out
 
@@ -263,7 +265,8 @@ def markdown(result: dict) -> str:
         f"{s['peak_array_bytes'] / s['max_trie_nodes']:.0f} B per max_trie_nodes node)",
         f"- propose() per call, {s['propose_calls']:,} calls: wall p50 "
         f"{s['propose_wall_ms_p50']:.2f} ms, p99 {s['propose_wall_ms_p99']:.2f}, p99.9 "
-        f"{s['propose_wall_ms_p999']:.2f}, max {s['propose_wall_ms_max']:.2f} "
+        f"{s['propose_wall_ms_p999']:.2f}, max {s['propose_wall_ms_max']:.2f} (call "
+        f"{s['propose_wall_max_call']}; after the first {s['propose_wall_ms_max_after_first']:.2f}) "
         f"({s['propose_wall_over_10ms']} calls over 10 ms); thread CPU p50 "
         f"{s['propose_cpu_ms_p50']:.2f}, p99.9 {s['propose_cpu_ms_p999']:.2f}, max "
         f"{s['propose_cpu_ms_max']:.2f} ({s['propose_cpu_over_10ms']} over 10 ms); "
