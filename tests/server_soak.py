@@ -778,7 +778,8 @@ def soak(num_requests: int = 200, threads: int = 16, n: int = 8, greedy_count: i
          bad_rounds: int = 3, log_dir: str | Path | None = None, deadline_s: float = 1800.0,
          seed: int = 0, parallel_start: bool = False, control: bool = False,
          options: dict | None = None, verbose: bool = True,
-         rss_every: int | None = None, trim: bool = False) -> dict:
+         rss_every: int | None = None, trim: bool = False,
+         server_env: dict | None = None) -> dict:
     """Run everything and return the report dict (never raises for a server
     or request failure: that is recorded under ``error`` and fails a check).
 
@@ -805,14 +806,15 @@ def soak(num_requests: int = 200, threads: int = 16, n: int = 8, greedy_count: i
                                "max_model_len": MAX_MODEL_LEN, "model": model,
                                "parallel_start": parallel_start, "control": control,
                                "options": options or {"max_depth": 8}, "trim": trim,
+                               "server_env": server_env or {},
                                "log_dir": str(log_dir)}}
     t_all = time.monotonic()
     log_env = logging_env(log_dir)
     spec = Server("spec", [], free_port(), log_dir / "spec_server.log",
-                  env={**log_env, "VLLM_SERVER_DEV_MODE": "1"})  # dev mode: /collective_rpc
+                  env={**log_env, **(server_env or {}), "VLLM_SERVER_DEV_MODE": "1"})  # dev mode: /collective_rpc
     spec.cmd = server_command(model, spec.port, spec=True, options=options)
     plain = Server("plain", [], free_port(), log_dir / "plain_server.log",
-                   env={**log_env, "VLLM_SERVER_DEV_MODE": "1"} if trim else log_env)
+                   env={**log_env, **(server_env or {}), **({"VLLM_SERVER_DEV_MODE": "1"} if trim else {})})
     plain.cmd = server_command(model, plain.port, spec=False, probe=trim)
     report["spec_server"] = {"cmd": spec.cmd}
     report["plain_server"] = {"cmd": plain.cmd}
@@ -1065,6 +1067,8 @@ def main(argv=None) -> int:
                     help="also run the soak on the plain server (memory/throughput baseline)")
     ap.add_argument("--options", type=json.loads, default=None,
                     help='proposer options as JSON (default {"max_depth": 8})')
+    ap.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="environment for both servers, e.g. MALLOC_ARENA_MAX=2 (repeatable)")
     ap.add_argument("--trim", action="store_true",
                     help="at each RSS sample, hand the engine worker's freed heap back to the OS "
                          "(malloc_trim) and report RSS before and after: live memory vs kept heap")
@@ -1073,7 +1077,7 @@ def main(argv=None) -> int:
     report = soak(args.requests, args.threads, args.n, args.greedy, args.bad_rounds,
                   args.log_dir, args.deadline, parallel_start=args.parallel_start,
                   control=args.control, options=args.options, rss_every=args.rss_every,
-                  trim=args.trim)
+                  trim=args.trim, server_env=dict(kv.split("=", 1) for kv in args.server_env))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1, default=str) + "\n")
