@@ -133,7 +133,7 @@ def test_extend_and_draft_rotates_and_reattaches_within_one_call():
     paths = [d.add_path([1]), d.add_path([1])]
     buf = np.zeros((2, 4000), np.int64)
     buf[:] = np.arange(20_000, 24_000)
-    pos, rotations = 0, 0
+    pos = 0
     while d.evictions < 3:
         out = d.extend_and_draft(paths, buf, [0, 1], [pos, pos], [pos + 10, pos + 10], [3, 3])
         assert out is not None and out[2].shape == (2,)

@@ -150,8 +150,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     r = run(problems, args.batch, args.k, args.every)
-    print(f"| run | propose calls | faulty calls | escaped exceptions | wrong-shape returns | "
-          f"rows rejected | failed steps | resets (regrouped) | tau |\n|---|---|---|---|---|---|---|---|---|")
+    print("| run | propose calls | faulty calls | escaped exceptions | wrong-shape returns | "
+          "rows rejected | failed steps | resets (regrouped) | tau |\n|---|---|---|---|---|---|---|---|---|")
     for label in ("clean", "corrupted", "reset"):
         x = r[label]
         print(f"| {label} | {x['steps']} | {r['corrupted_steps'] if label != 'clean' else 0} | "
