@@ -17,7 +17,7 @@ def options(**kw):
 
 
 def half_of(d, group):
-    return int(group.root >= d.forest.half)
+    return int(d.forest.half_of([group.root])[0])
 
 
 def feed_until_rotation(d, path, start=10_000, chunk=50):

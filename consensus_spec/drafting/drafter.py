@@ -24,10 +24,11 @@ The bound on each structure:
   proposer's row tracker holds at most the batch plus its parked paths);
 - remembered groups: ``max_group_tokens`` prompt tokens (LRU); a forgotten
   group lives on while it has live paths or its trie is in the arena;
-- the arena: ``max_trie_nodes`` nodes (28 B each) and two edge tables (16 B
-  a slot, ``max_trie_nodes / 4`` slots in all): about 32 B a node, allocated
-  once and committed by the OS as first written; one entry per trie it
-  holds in ``_owners``.
+- the arena: ``max_trie_nodes`` nodes (28 B each) and three edge tables
+  (one per half and a spare; 16 B a slot, at least half as many slots
+  as a half has nodes, each): about 40 B a node, allocated once and
+  committed by the OS as first written; one entry per trie it holds in
+  ``_owners``.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class DrafterOptions:
     prompt_tokens: int = 512        # prompt tail indexed per group
     max_group_tokens: int = 400_000  # prompt tokens of remembered groups (LRU)
     cross_group_tokens: int = 600_000  # the cross-group trie restarts beyond this
-    max_trie_nodes: int = 8_000_000  # arena size (~32 B a node), in two halves that take turns
+    max_trie_nodes: int = 8_000_000  # arena size (~40 B a node), in two halves that take turns
 
     def __post_init__(self):
         if self.max_depth < 1 or self.min_match < 1 or self.min_match > self.max_depth:
@@ -206,15 +207,11 @@ class ConsensusDrafter:
         """Like :meth:`extend`, path ``paths[i]`` taking
         ``buffer[rows[i], begins[i]:ends[i]]`` from a 2-D token array."""
         self._make_room()
-        for _ in range(3):
-            paths = self._attached(paths)
-            try:
-                self._cursor[paths] = self.forest.extend_rows(self._cursor[paths], buffer, rows,
-                                                              begins, ends)
-                return
-            except ForestFull:
-                self._rotate()
-        raise ValueError("one call appends more than half of max_trie_nodes can hold")
+
+        def extend():
+            ids = self._attached(paths)
+            self._cursor[ids] = self.forest.extend_rows(self._cursor[ids], buffer, rows, begins, ends)
+        self._retrying(extend)
 
     def draft(self, paths, max_tokens):
         """Most likely continuation of each path, at most ``max_tokens[i]``
@@ -243,15 +240,23 @@ class ConsensusDrafter:
         floor = o.min_prob if min_prob is None else max(o.min_prob, min_prob)
         args = (buffer, rows, begins, ends, max_tokens,
                 o.cross_group_weight, floor, o.min_match, o.prior)
+
+        def extend_and_draft():
+            out = self.forest.extend_and_draft(self._cursor, paths, *args)
+            if out is None:  # some cursor is unset: attach, then go again
+                out = self.forest.extend_and_draft(self._cursor, self._attached(paths), *args)
+            return out
+        return self._retrying(extend_and_draft)
+
+    def _retrying(self, call, what: str = "one call appends"):
+        """``call()``; when a half of the arena is full (a call bigger than
+        the margin _make_room keeps), rotate and call again, twice at most."""
         for _ in range(3):
             try:
-                out = self.forest.extend_and_draft(self._cursor, paths, *args)
-                if out is None:  # some cursor is unset: attach, then go again
-                    out = self.forest.extend_and_draft(self._cursor, self._attached(paths), *args)
-                return out
-            except ForestFull:  # a call bigger than the margin _make_room keeps
+                return call()
+            except ForestFull:
                 self._rotate()
-        raise ValueError("one call appends more than half of max_trie_nodes can hold")
+        raise ValueError(f"{what} more than half of max_trie_nodes can hold")
 
     def _make_room(self, tidy: bool = True) -> None:
         """Rotate the arena's halves, or restart the cross-group trie, once
@@ -264,7 +269,6 @@ class ConsensusDrafter:
             self._rotate()
         elif f.tokens_appended - self._cross_since > self.options.cross_group_tokens:
             self._new_cross()  # the old trie stays, as garbage, until its half is dropped
-            self._cursor[self._cursor[:, 1] >= 0, 1] = UNSET
 
     def _rotate(self) -> None:
         """Drop the old half of the arena whole and start new tries there,
@@ -290,7 +294,6 @@ class ConsensusDrafter:
         # The cross-group trie takes every path's tokens: left in the old half
         # it would fill it and drop that half's live groups early.
         self._new_cross()
-        cursor[cursor[:, 1] >= 0, 1] = UNSET
 
     def drop_tries(self) -> None:
         """Start every trie afresh (a new arena), keeping paths and their
@@ -347,8 +350,10 @@ class ConsensusDrafter:
         self._cursor = cursor
 
     def _new_cross(self) -> None:
+        """Start a new cross-group trie; paths re-attach to it when next used."""
         self._cross_root, self._cross_since = self._new_root(), self.forest.tokens_appended
         self._owners[self._cross_root] = None
+        self._cursor[self._cursor[:, 1] >= 0, 1] = UNSET
 
     def _cross_start(self) -> int:
         return self._cross_root if self.options.cross_group_weight > 0 else -1
@@ -357,17 +362,12 @@ class ConsensusDrafter:
         """Give the group a trie holding its prompt tail, if it has none."""
         if group.root < 0:
             tail = group.prompt_tail
-            for _ in range(3):
+
+            def build():  # a root left empty by a full half is garbage in it
                 root = self._new_root()
-                try:
-                    group.start = int(self.forest.extend_many([root], tail, [0, len(tail)])[0])
-                    break
-                except ForestFull:  # the empty root is garbage in its half
-                    self._rotate()
-            else:
-                raise ValueError("a prompt tail needs more than half of max_trie_nodes")
-            group.root = root
-            self._owners[root] = group
+                return root, int(self.forest.extend_many([root], tail, [0, len(tail)])[0])
+            group.root, group.start = self._retrying(build, "a prompt tail needs")
+            self._owners[group.root] = group
 
     def _new_root(self) -> int:
         try:

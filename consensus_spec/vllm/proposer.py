@@ -165,10 +165,11 @@ class ConsensusProposer:
             try:
                 t0 = time.perf_counter()
                 rows = self._regroup(token_ids_cpu)
+                ms = 1e3 * (time.perf_counter() - t0)
                 self.num_regroups += 1
-                self.regroup_ms_max = max(self.regroup_ms_max, 1e3 * (time.perf_counter() - t0))
+                self.regroup_ms_max = max(self.regroup_ms_max, ms)
                 logger.info("consensus_spec: tries rebuilt; %d rows in flight keep their paths and "
-                            "groups (%.1f ms)", rows, 1e3 * (time.perf_counter() - t0))
+                            "groups (%.1f ms)", rows, ms)
                 return
             except Exception:  # noqa: BLE001 - fall back to rebuilding everything
                 logger.warning("consensus_spec: regrouping after the failure failed; "
