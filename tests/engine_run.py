@@ -1,9 +1,11 @@
 """Run one vLLM engine over the engine-test workload and dump its outputs.
 
-    python -m tests.engine_run MODEL METHOD OUT.json {greedy,mixed,dist}
+    python -m tests.engine_run MODEL METHOD OUT.json {greedy,mixed,dist,dist_top}
 
-METHOD: none, ngram, consensus, or fault_first / fault_middle / fault_every
-(consensus with its drafter failing on those propose calls).
+METHOD: none, ngram, consensus, consensus_unpatched (consensus with the
+rejection-sampler patches off), nodraft (speculation configured, a proposer
+that never drafts), or fault_first / fault_middle / fault_every (consensus
+with its drafter failing on those propose calls).
 
 Each engine runs in its own process so the KV cache is freed between runs.
 The engine is configured so that every case the proposer must survive
@@ -24,6 +26,9 @@ MAX_MODEL_LEN = 256
 
 
 DIST_SAMPLES = 1000
+DIST_TOP_SAMPLES = 30000  # dist_top: samples of one prompt, in requests of 1,000
+DIST_TOP_TOKENS = 3  # and tokens each
+UNPATCHED = "plain_steps,recovered_tokens"  # consensus_unpatched's CONSENSUS_SPEC_SKIP_FIXES
 FAULTS = {"fault_first": {"steps": [1]}, "fault_middle": {"steps": [40, 41, 120]},
           "fault_every": {"every": True}}
 GREEDY_SAMPLED_TAIL = 2  # sampled requests at the end of the greedy workload
@@ -38,6 +43,9 @@ def workload(vocab: list[str], mode: str):
 
     if mode == "dist":  # many samples of one prompt
         return [(words(12), dict(n=DIST_SAMPLES, temperature=0.8, max_tokens=8))]
+    if mode == "dist_top":  # very many samples of one prompt, a few tokens each
+        prompt = words(12)
+        return [(prompt, dict(n=1000, temperature=0.8, max_tokens=DIST_TOP_TOKENS))] * (DIST_TOP_SAMPLES // 1000)
     if mode == "mixed":  # n = 1, 4 and 16 in one batch; seeded ones with chunked prefills
         reqs = [(words(15), dict(n=n, temperature=0.8, max_tokens=48)) for n in (1, 4, 16, 1)]
         reqs += [(words(150), dict(n=4, temperature=0.8, max_tokens=32, seed=7)),
@@ -65,6 +73,19 @@ def workload(vocab: list[str], mode: str):
     return reqs
 
 
+class NoDraftProposer:
+    """Speculation configured, nothing ever drafted: every step is undrafted."""
+
+    def __init__(self, vllm_config, **_):
+        pass
+
+    def propose(self, sampled_token_ids, *args, **kwargs):
+        return [[] for _ in sampled_token_ids]
+
+    def load_model(self, *args, **kwargs) -> None:
+        pass
+
+
 def find_proposer(llm):
     core = llm.llm_engine.engine_core.engine_core
     return core.model_executor.driver_worker.worker.model_runner.drafter
@@ -72,18 +93,25 @@ def find_proposer(llm):
 
 def main(argv=None) -> int:
     model, method, out, mode = (argv or sys.argv[1:])[:4]
-    if mode not in ("greedy", "mixed", "dist"):
+    if mode not in ("greedy", "mixed", "dist", "dist_top"):
         raise SystemExit(f"unknown mode {mode!r}")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # proposer reachable in-process
+    if method == "consensus_unpatched":
+        os.environ["CONSENSUS_SPEC_SKIP_FIXES"] = UNPATCHED  # read when vLLM loads its plugins
+        method = "consensus"
     from vllm import LLM, SamplingParams
 
     from consensus_spec import engine_args
+    from consensus_spec.vllm import compat
 
     spec = {"consensus": engine_args(num_speculative_tokens=8)["speculative_config"],
             "ngram": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4,
                       "prompt_lookup_min": 2}}.get(method)
     extra = {}
-    if method == "consensus" and mode == "dist":
+    if method == "nodraft":
+        spec = {"method": "custom_class", "model": f"{__name__}.NoDraftProposer",
+                "num_speculative_tokens": 8}
+    if method == "consensus" and mode in ("dist", "dist_top"):
         # the distribution test needs drafts to verify, however costly this
         # machine makes drafting look to the budget: draft whenever confident
         args = engine_args(num_speculative_tokens=8, cost_model="off")
@@ -92,11 +120,12 @@ def main(argv=None) -> int:
         spec = {"method": "custom_class", "model": "tests.faulty_proposer.FaultyProposer",
                 "num_speculative_tokens": 8}
         extra = {"fault_injection": FAULTS[method]}
+    big = mode == "dist_top"  # throughput, not batch events
     llm = LLM(model, speculative_config=spec, additional_config=extra, dtype="float32", seed=0,
               max_model_len=MAX_MODEL_LEN,
               enable_prefix_caching=True, enable_chunked_prefill=True,
-              max_num_batched_tokens=96,
-              max_num_seqs=24, num_gpu_blocks_override=int(os.environ.get("ENGINE_TEST_BLOCKS", 6)),
+              max_num_batched_tokens=1024 if big else 96, max_num_seqs=128 if big else 24,
+              num_gpu_blocks_override=512 if big else int(os.environ.get("ENGINE_TEST_BLOCKS", 6)),
               gpu_memory_utilization=0.15, enforce_eager=True, disable_log_stats=False)
     vocab = sorted(llm.get_tokenizer().get_vocab())
     vocab = [w for w in vocab if w.isalpha() or w.isdigit()]
@@ -109,6 +138,7 @@ def main(argv=None) -> int:
         "finish": [[c.finish_reason for c in o.outputs] for o in outs],
         "prompt_len": [len(o.prompt_token_ids) for o in outs],
         "metrics": metrics,
+        "vllm_patches": compat.active(),
     }
     if method == "consensus" or method in FAULTS:
         p = find_proposer(llm)

