@@ -337,7 +337,11 @@ class OnlineStepCosts:
         if relative <= EXPLORE_ABOVE or of_step <= EXPLORE_STEP_SHARE:
             return 0.0
         s[EXPLORED_AT] = s[OBSERVED]
-        return min(2.0 * relative, 0.9)
+        return min(relative, 0.5)  # one sd: a contrast cheap enough to pass the budget's loss cap
+
+    def trained(self, batch: int) -> bool:
+        """Whether this batch size's bucket has enough timed steps of its own."""
+        return bool(self._state[bucket_of(batch), COUNT] >= MIN_EFFECTIVE)
 
     def first_token_cost(self, batch: int, shade: float = 0.0) -> float:
         """The cost of one draft token relative to the step without drafts

@@ -77,6 +77,23 @@ def _choose(probs, lengths, batch, step_ms, rate, out):
         _sift_down(heap, size, head, 0)
 
 
+@kernel
+def _value(probs, chosen, batch, step_ms, rate):
+    """Expected tokens per ms of ``chosen`` draft lengths: (batch + kept
+    calibrated chances) / step_ms[kept], as :func:`_choose` scores them."""
+    gain = float(batch)
+    kept = 0
+    for i in range(chosen.shape[0]):
+        low = 1.0
+        for j in range(chosen[i]):
+            low = min(low, min(1.0, _calibrate(probs[i, j], rate)))
+            gain += low
+            kept += 1
+    return gain / step_ms[min(kept, step_ms.shape[0] - 1)]
+
+
+EXPLORE_LOSS = 0.01  # an exploring step may cost at most this share of the step's expected yield
+
 _NO_CALIBRATION = np.zeros(0)
 
 
@@ -146,7 +163,7 @@ class DraftBudget:
         less than that cost. Call once per step, before drafting: it also
         decides whether the step explores (then the floor is the lower
         bound's, which lets either bound's drafts through)."""
-        self._draft = self.guard is None or self.guard.drafts(batch)
+        self._draft = self.guard is None or self.guard.drafts(batch, self._plain_rate(batch))
         if not self._draft:
             self._explore = False
             return 1.0  # no estimate reaches it: the drafter walks nothing
@@ -158,6 +175,14 @@ class DraftBudget:
             self._explore = self._shade > 0.0
             cost = self.costs.first_token_cost(batch, -self._shade)
         return self.calibrator.lowest_estimate_above(batch * cost)
+
+    def _plain_rate(self, batch: int) -> float | None:
+        """Tokens per second of a step without drafts, as the fit predicts
+        it; None until the bucket has timed steps of its own."""
+        costs = self.costs
+        if costs is None or not costs.trained(batch):
+            return None
+        return 1000.0 * batch / float(costs.step_ms(batch, 0, drafter=False)[0])
 
     def __call__(self, probs: np.ndarray, lengths: np.ndarray, batch: int) -> np.ndarray:
         """:func:`choose_lengths` with this budget's model and calibration;
@@ -179,8 +204,13 @@ class DraftBudget:
                 # the bound that differs from the estimate's choice, alternating
                 # between them: drafts on both sides of it teach the slope
                 first, second = (low, high) if self.costs.steps_explored % 2 == 0 else (high, low)
-                self.costs.steps_explored += 1
-                return first if first.sum() != out.sum() else second
+                bound = first if first.sum() != out.sum() else second
+                # ...only where the estimate says it costs next to nothing
+                table = self.step_ms(batch, tokens)
+                if _value(probs, bound, batch, table, rate) >= \
+                        (1.0 - EXPLORE_LOSS) * _value(probs, out, batch, table, rate):
+                    self.costs.steps_explored += 1
+                    return bound
         return out
 
     def observe(self, probs: np.ndarray, sent: np.ndarray, accepted: np.ndarray) -> None:

@@ -19,7 +19,8 @@ Prints JSON lines: ``{"B", "q", "ms", "cpu_ms", ...}`` for the speculative
 engine (the format of ``../shared/data/costs``, ready for
 :class:`consensus_spec.budget.StepCostTable`; ``--out`` gets only these),
 ``{"engine": "plain", ...}`` for the plain engine, and per batch size
-``{"tax": ...}``: the q = 1 speculative step over the plain step (medians).
+``{"tax": ...}``: the q = 1 speculative step over the plain step (the
+median over repeats of the ratio within each repeat).
 """
 
 from __future__ import annotations
@@ -85,6 +86,11 @@ def median_row(base: dict, times: list[tuple[float, float]]) -> dict:
             "ms_runs": [round(w, 3) for w in walls], "cpu_ms_runs": [round(c, 3) for c in cpus]}
 
 
+def paired(a: list, b: list, i: int) -> float:
+    """Median over repeats of a's time over b's in the same repeat (i: 0 wall, 1 CPU)."""
+    return round(statistics.median(x[i] / y[i] for x, y in zip(a, b)), 4)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m evals step-costs", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="model directory (default: the embedded model)")
@@ -121,7 +127,7 @@ def main(argv=None) -> int:
                   enforce_eager=not torch.cuda.is_available())
     spec = LLM(**common, speculative_config={"method": "custom_class",
                                              "model": f"{__name__}.ProbeProposer",
-                                             "num_speculative_tokens": max(args.q) - 1})
+                                             "num_speculative_tokens": max(max(args.q) - 1, 1)})
     plain = None if args.no_plain else LLM(**common)
     active = compat.active()
     patched = all(active.get(name) for name in PATCHES)
@@ -159,12 +165,12 @@ def main(argv=None) -> int:
             times = [timed("spec", batch, q) for _ in range(args.repeats)]
             table.append(median_row({"model": name, "B": batch, "q": q}, times))
             print(json.dumps(table[-1]), flush=True)
-        if plain is not None:
-            tax = {"B": batch, "tax": round(rows["spec"]["ms"] / rows["plain"]["ms"], 4),
-                   "tax_cpu": round(rows["spec"]["cpu_ms"] / rows["plain"]["cpu_ms"], 4)}
-            if "unpatched" in rows:
-                tax.update(tax_unpatched=round(rows["unpatched"]["ms"] / rows["plain"]["ms"], 4),
-                           tax_unpatched_cpu=round(rows["unpatched"]["cpu_ms"] / rows["plain"]["cpu_ms"], 4))
+        if plain is not None:  # paired within each repeat: the machine's drift cancels
+            tax = {"B": batch, "tax": paired(q1["spec"], q1["plain"], 0),
+                   "tax_cpu": paired(q1["spec"], q1["plain"], 1)}
+            if "unpatched" in q1:
+                tax.update(tax_unpatched=paired(q1["unpatched"], q1["plain"], 0),
+                           tax_unpatched_cpu=paired(q1["unpatched"], q1["plain"], 1))
             print(json.dumps(tax), flush=True)
     if args.out:
         with open(args.out, "w") as f:
