@@ -149,13 +149,25 @@ def _posterior(state, b, scale, prec, rhs):
 
 
 @kernel
+def _predictive_var(state, b, x1, x2):
+    """Variance of a new step's relative time at features (1, x1, x2): the
+    noise plus the fit's own uncertainty there."""
+    sd = _contrast_sd(state, b, 1.0, x1, x2)
+    return state[b, NOISE] + sd * sd
+
+
+@kernel
 def _observe(state, b, x1, x2, y, drafter, per_row):
     """Add one step (relative time y at features 1, x1, x2) to bucket b and
     refit; average the drafter's relative time and the drafts per row.
     Returns False for an outlier left out."""
     s = state[b]
     r = y - (s[THETA] + s[THETA + 1] * x1 + s[THETA + 2] * x2)
-    if s[COUNT] >= 8.0 and r * r > REJECT_SIGMAS ** 2 * s[NOISE] and s[REJECTS] < MAX_REJECTS:
+    # an outlier is judged against the prediction's whole spread: the noise
+    # and what the fit does not know yet (a step with many more drafts than
+    # those seen so far teaches the slope; it is no hiccup)
+    if s[COUNT] >= 8.0 and r * r > REJECT_SIGMAS ** 2 * _predictive_var(state, b, x1, x2) \
+            and s[REJECTS] < MAX_REJECTS:
         s[REJECTS] += 1
         return False
     s[REJECTS] = 0
@@ -337,11 +349,7 @@ class OnlineStepCosts:
         if relative <= EXPLORE_ABOVE or of_step <= EXPLORE_STEP_SHARE:
             return 0.0
         s[EXPLORED_AT] = s[OBSERVED]
-        return min(relative, 0.5)  # one sd: a contrast cheap enough to pass the budget's loss cap
-
-    def trained(self, batch: int) -> bool:
-        """Whether this batch size's bucket has enough timed steps of its own."""
-        return bool(self._state[bucket_of(batch), COUNT] >= MIN_EFFECTIVE)
+        return min(relative, 0.5)  # one sd: a contrast cheap enough for the budget's loss cap
 
     def first_token_cost(self, batch: int, shade: float = 0.0) -> float:
         """The cost of one draft token relative to the step without drafts

@@ -92,7 +92,7 @@ def _value(probs, chosen, batch, step_ms, rate):
     return gain / step_ms[min(kept, step_ms.shape[0] - 1)]
 
 
-EXPLORE_LOSS = 0.01  # an exploring step may cost at most this share of the step's expected yield
+EXPLORE_LOSS = 0.01  # an exploring step may cost at most this share of its expected yield
 
 _NO_CALIBRATION = np.zeros(0)
 
@@ -163,7 +163,7 @@ class DraftBudget:
         less than that cost. Call once per step, before drafting: it also
         decides whether the step explores (then the floor is the lower
         bound's, which lets either bound's drafts through)."""
-        self._draft = self.guard is None or self.guard.drafts(batch, self._plain_rate(batch))
+        self._draft = self.guard is None or self.guard.drafts(batch)
         if not self._draft:
             self._explore = False
             return 1.0  # no estimate reaches it: the drafter walks nothing
@@ -175,14 +175,6 @@ class DraftBudget:
             self._explore = self._shade > 0.0
             cost = self.costs.first_token_cost(batch, -self._shade)
         return self.calibrator.lowest_estimate_above(batch * cost)
-
-    def _plain_rate(self, batch: int) -> float | None:
-        """Tokens per second of a step without drafts, as the fit predicts
-        it; None until the bucket has timed steps of its own."""
-        costs = self.costs
-        if costs is None or not costs.trained(batch):
-            return None
-        return 1000.0 * batch / float(costs.step_ms(batch, 0, drafter=False)[0])
 
     def __call__(self, probs: np.ndarray, lengths: np.ndarray, batch: int) -> np.ndarray:
         """:func:`choose_lengths` with this budget's model and calibration;
@@ -202,10 +194,10 @@ class DraftBudget:
             _choose(probs, lengths, batch, self.costs.step_ms(batch, tokens, self._shade), rate, high)
             if low.sum() != high.sum():
                 # the bound that differs from the estimate's choice, alternating
-                # between them: drafts on both sides of it teach the slope
+                # between them: drafts on both sides of it teach the slope...
                 first, second = (low, high) if self.costs.steps_explored % 2 == 0 else (high, low)
                 bound = first if first.sum() != out.sum() else second
-                # ...only where the estimate says it costs next to nothing
+                # ...where the estimate says that costs next to nothing
                 table = self.step_ms(batch, tokens)
                 if _value(probs, bound, batch, table, rate) >= \
                         (1.0 - EXPLORE_LOSS) * _value(probs, out, batch, table, rate):

@@ -224,7 +224,7 @@ class Bench:
         if learning is not None:
             row["learning"] = learning.summary()
             row["cost_counters"] = {key: value for key, value in inner.proposer.counters().items()
-                                    if key.startswith(("steps_", "explore", "cost_model"))}
+                                    if key.startswith(("steps_", "explore", "cost_model", "guard"))}
         if log is not None:
             row["calls"] = log.calls
             row["steps"] = [[b, m] for b, m in zip(stats.step_rows, stats.step_drafted)]
