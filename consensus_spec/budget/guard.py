@@ -10,16 +10,6 @@ it is off), and each window is paired with the steps just before it, which
 share its load. When the paired ratio says the other way is faster by more
 than a margin, over several windows, the guard switches. Windows grow rarer
 while the verdict holds, so a settled engine pays little for the check.
-
-Where the plain step's time is known for free, a window is not run at all
-while drafting clearly wins: the caller passes the rate (tokens per second)
-a plain step would deliver, as the step-cost fit predicts it from the
-engine's own timed steps, and when the steps before a due window delivered
-more than ``CLEAR`` above it, that comparison stands in for the window. With
-vLLM's speculative tax removed (consensus_spec.vllm.rejection) a step without
-drafts is a plain step, so the fit's step without drafts is a plain one.
-Steps the fit never sees (prefills) only lower the drafting side, so the
-shortcut can only keep windows that a cheaper plain step would call for.
 """
 
 from __future__ import annotations
@@ -32,7 +22,6 @@ MAX_PERIOD = 384      # ...growing to this while the verdict holds
 MARGIN = 0.03         # log-throughput advantage needed to switch (about 3%)
 MIN_WINDOWS = 3       # paired windows before any switch
 MEMORY = 0.7          # weight of past windows in the running verdict
-CLEAR = 0.10          # log-throughput lead over the predicted plain rate that skips a window
 BUCKETS_PER_OCTAVE = 2
 
 
@@ -66,21 +55,15 @@ class DraftingGuard:
         self.windows = 0
         self.switches = 0
         self.steps_other = 0  # steps run against the current policy, to check it
-        self.windows_skipped = 0  # due windows the predicted plain rate stood in for
 
-    def drafts(self, batch: int, plain_rate: float | None = None) -> bool:
-        """Whether the step about to be drafted for should carry drafts.
-        ``plain_rate``: tokens per second a plain step of this batch would
-        deliver, where known (lets a clear lead skip a window)."""
+    def drafts(self, batch: int) -> bool:
+        """Whether the step about to be drafted for should carry drafts."""
         b = self._buckets.get(_bucket(batch))
         if b is None:
             b = self._buckets[_bucket(batch)] = _Bucket()
         if b.left == 0:
             b.countdown -= 1
             if b.countdown <= 0:
-                if self._clear(b, plain_rate):
-                    self._last = (b, False)
-                    return b.drafting
                 b.left, b.window = WINDOW, [0.0, 0.0]
         in_window = b.left > 0
         if in_window:
@@ -88,24 +71,6 @@ class DraftingGuard:
             self.steps_other += 1
         self._last = (b, in_window)
         return b.drafting != in_window
-
-    def _clear(self, b: _Bucket, plain_rate: float | None) -> bool:
-        """Drafting leads the predicted plain rate clearly: count it as a
-        window that confirmed the policy, and wait longer for the next."""
-        if not b.drafting or plain_rate is None or not plain_rate > 0.0 or len(b.before) < WINDOW:
-            return False
-        ordinary = sum(t for t, _ in b.before) / sum(s for _, s in b.before)
-        lead = math.log(ordinary / plain_rate)
-        if lead < CLEAR:
-            return False
-        b.verdict = -lead if b.windows == 0 else MEMORY * b.verdict - (1 - MEMORY) * lead
-        b.windows += 1
-        self.windows_skipped += 1
-        if b.windows >= MIN_WINDOWS:
-            b.period = min(2 * b.period, MAX_PERIOD)
-        b.countdown = b.period
-        b.before = []
-        return True
 
     def observe(self, tokens: int, seconds: float) -> None:
         """The step decided by the last :meth:`drafts` produced ``tokens``
@@ -139,8 +104,7 @@ class DraftingGuard:
             b.countdown = b.period  # nothing to pair it with: just wait for the next
 
     def summary(self) -> dict:
-        return {"windows": self.windows, "windows_skipped": self.windows_skipped,
-                "switches": self.switches,
+        return {"windows": self.windows, "switches": self.switches,
                 "steps_other_policy": self.steps_other,
                 "drafting_off_at_rows": sorted(int(round(2 ** (k / BUCKETS_PER_OCTAVE)))
                                                for k, b in self._buckets.items() if not b.drafting)}
