@@ -57,8 +57,9 @@ def test_every_assumption_holds_on_the_installed_vllm():
 
 
 def _changed_copy(root) -> str:
-    """A vllm/ folder with three of the installed files, each changed as a
-    release might change it, and a made-up version; every other file absent."""
+    """A vllm/ folder with two of the installed files changed as a release
+    might change them, two small made-up ones (one this Python cannot
+    parse) and a made-up version; every other file absent."""
     src, dst = _installed_vllm(), os.path.join(root, "vllm")
     for rel in ("v1/spec_decode/custom_class_proposer.py", "v1/sample/rejection_sampler.py"):
         os.makedirs(os.path.dirname(os.path.join(dst, rel)), exist_ok=True)
@@ -75,6 +76,9 @@ def _changed_copy(root) -> str:
                 "            pass\n"
                 "        if self.speculative_config.method == 'custom_class':\n"
                 "            self.scheduler_config.async_scheduling = False\n")
+    os.makedirs(os.path.join(dst, "plugins"))
+    with open(os.path.join(dst, "plugins", "__init__.py"), "w") as f:  # syntax this Python lacks
+        f.write("DEFAULT_PLUGINS_GROUP = 'vllm.general_plugins'\ndef load(group) -> ???:\n    pass\n")
     with open(os.path.join(dst, "_version.py"), "w") as f:
         f.write("__version__ = version = '0.99.0'\n")
     return root
@@ -108,6 +112,8 @@ def _check_changed(out, root):
     assert "(device, x, cu_num_tokens" in detail and "calls written for it no longer fit" in detail
     status, where, detail = lines["async scheduling off for custom_class"]
     assert status == "changed" and where == "config/vllm.py:5" and "'custom_class'" in detail
+    status, where, detail = lines["general plugin group"]
+    assert (status, where) == ("changed", "plugins/__init__.py:2") and "cannot parse" in detail
     assert lines["rejection_sample"][0] == "holds"  # the same file, unchanged there
     assert lines["runner calls propose"][:2] == ("missing", "v1/worker/gpu_model_runner.py")
     assert lines["V1 runner fallback"][0] == "missing"  # file there, name gone

@@ -198,7 +198,10 @@ def _calls_named(node, call: ast.Call) -> list[ast.Call]:
 
 def check(a: Assumption, src: Source) -> tuple[str, str, str]:
     """(status, file:line, detail) for one assumption."""
-    tree = src.tree(a.file)
+    try:
+        tree = src.tree(a.file)
+    except SyntaxError as e:  # written for a newer Python than this one
+        return "changed", f"{a.file}:{e.lineno}", f"Python {sys.version.split()[0]} cannot parse it: {e.msg}"
     if tree is None:
         return "missing", a.file, "file not found"
     node, is_method = resolve(tree, a.scope)
