@@ -39,6 +39,7 @@ lies between the two figures.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from collections import deque
@@ -112,6 +113,7 @@ class DeviceRouteDrafter:
         self.feed_s = 0.0                      # host CPU time appending to the tries
         self.accounted = []                    # (K, table entries, changed contexts) per sample
         self.refresh_s = 0.0                   # host CPU time recomputing changed contexts' entries
+        self.digest = hashlib.sha1()           # of every call's drafts (to compare with the speculator)
 
     def __call__(self, sampled, batch) -> list[list[int]]:
         self.calls += 1
@@ -135,7 +137,9 @@ class DeviceRouteDrafter:
             self._account(k, before)
         if k <= 0 or rows == 0:
             return [[] for _ in range(rows)]
-        return self._lookup(paths, batch, lens, k)
+        drafts = self._lookup(paths, batch, lens, k)
+        self.digest.update(np.asarray(drafts, np.int64).reshape(rows, k).tobytes())
+        return drafts
 
     def _feed(self) -> None:
         t0 = time.process_time()
@@ -200,7 +204,7 @@ class DeviceRouteDrafter:
         acc = np.array(self.accounted, np.float64).reshape(-1, 3)
         entry_bytes = KEY_BYTES + TOKEN_BYTES * acc[:, 0]
         mean = lambda x: float(x.mean()) if len(x) else 0.0  # noqa: E731
-        return {"lag": self.lag, "device_lookups": lookups,
+        return {"lag": self.lag, "device_lookups": lookups, "drafts_sha1": self.digest.hexdigest(),
                 "hit_rate": self.hits / max(lookups, 1),
                 "cross_hit_share": self.cross_hits / max(self.hits, 1),
                 "table_entries": mean(acc[:, 1]), "table_entries_max": float(acc[:, 1].max(initial=0)),
