@@ -34,6 +34,9 @@ from .options import RouteOptions, drafter_options
 from .table import ContextTable
 
 
+HOST_WINDOW = 4096  # calls whose host time the percentiles cover
+
+
 class DeviceRoute:
     def __init__(self, options: DrafterOptions, route: RouteOptions, max_rows: int,
                  max_sampled: int, device):
@@ -53,6 +56,7 @@ class DeviceRoute:
         self.host_feed_s = 0.0      # ... appending due tokens to the tries
         self.host_refresh_s = 0.0   # ... computing and staging the table's delta
         self.host_calls = 0
+        self._recent_host_s = np.zeros(HOST_WINDOW)  # feed + refresh of the last calls (a ring)
 
     # -- host <-> device copies -------------------------------------------
 
@@ -133,6 +137,7 @@ class DeviceRoute:
         self.host_paths_s += t1 - t0
         self.host_feed_s += t3 - t2
         self.host_refresh_s += t4 - t3
+        self._recent_host_s[self.host_calls % HOST_WINDOW] = (t3 - t2) + (t4 - t3)
         self.host_calls += 1
         if k <= 0 or not rows:
             return torch.empty((rows, max(k, 0)), dtype=torch.int64, device=self.device)
@@ -144,10 +149,14 @@ class DeviceRoute:
     def stats(self) -> dict:
         rows, hits, cross_hits = self.table.lookups.tolist()
         calls = max(self.host_calls, 1)
+        recent = self._recent_host_s[:min(self.host_calls, HOST_WINDOW)] * 1e6
         return {"lag": self.route.lag, "device_lookups": rows, "hit_rate": hits / max(rows, 1),
                 "cross_hit_share": cross_hits / max(hits, 1), "table_entries": self.table.size,
                 "table_cross_entries": self.tries.cross_entries,
                 "table_cross_cap": self.route.cross_entries, "late_feeds": self.tries.late_feeds,
                 "host_paths_us_per_call": self.host_paths_s * 1e6 / calls,
                 "host_feed_us_per_call": self.host_feed_s * 1e6 / calls,
-                "host_refresh_us_per_call": self.host_refresh_s * 1e6 / calls}
+                "host_refresh_us_per_call": self.host_refresh_s * 1e6 / calls,
+                # feed + refresh per call over the last HOST_WINDOW calls
+                "host_us_median": float(np.median(recent)) if len(recent) else 0.0,
+                "host_us_p90": float(np.percentile(recent, 90)) if len(recent) else 0.0}

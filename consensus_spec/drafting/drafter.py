@@ -163,6 +163,10 @@ class ConsensusDrafter:
     def path_group(self, path: int) -> Group | None:
         return self._path_group[path] if 0 <= path < len(self._path_group) else None
 
+    def group_of_root(self, root: int) -> Group | None:
+        """The group whose trie is rooted at ``root`` (None: none, or the cross-group trie)."""
+        return self._owners.get(root)
+
     def cursors(self, paths) -> np.ndarray:
         """(R, 2) copy of the paths' (group trie, cross trie) nodes; ``UNSET``
         where not attached."""

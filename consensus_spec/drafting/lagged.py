@@ -56,63 +56,82 @@ def hash_powers(max_depth: int) -> np.ndarray:
 
 
 @kernel
-def _touched(nodes, t0, t1, shift, half, max_depth, starts, owners, text, begins, ends, mark,
-             stamp, powers, key_out, key_node, key_owner, dirty, values):
-    """Replay the appends of ``text[i, begins[i]:ends[i]]`` from node
-    ``starts[i]`` of trie ``owners[i]`` (after they were made) and list, once
-    each, the nodes whose statistics they changed (``dirty``/``values``) and,
-    of those, the ones not yet in the table (``mark == 0``: ``key_*``).
-    ``text[i, :begins[i]]`` ends with the string of ``starts[i]``."""
-    n_keys = 0
-    n_dirty = 0
+def _walk(nodes, t0, t1, shift, half, max_depth, node, owner, text, begin, end, mark, stamp,
+          powers, key_out, key_node, key_owner, dirty, values, n_keys, n_dirty):
+    """Replay the appends of ``text[begin:end]`` from ``node`` of trie
+    ``owner`` (after they were made; ``text[:begin]`` ends with ``node``'s
+    string) and list, once a stamp, each node whose statistics they changed
+    (``dirty``/``values``) and, of those, the ones not yet in the table
+    (``mark == 0``: ``key_*``). Returns the new counts of both lists."""
     hp = np.zeros(max_depth + 2, np.int64)
     hn = np.zeros(max_depth + 2, np.int64)
-    for i in range(starts.shape[0]):
-        node = starts[i]
-        if node < 0:
+    owner_term = (owner + 1) * KEY_B
+    for p in range(begin, end):
+        tok = text[p]
+        # hp[d]: hash of text[p-d:p]; hn[d]: of text[p-d+1:p+1]
+        hn[1] = tok + 1
+        for d in range(1, max_depth + 1):
+            if p - d >= 0:
+                hp[d] = hp[d - 1] + (text[p - d] + 1) * powers[d - 1]
+                if d + 1 <= max_depth:
+                    hn[d + 1] = hn[d] + (text[p - d] + 1) * powers[d]
+        n = node
+        deepest = -1
+        while True:
+            d = nodes[n, DEP]
+            if d < max_depth:
+                c = _child(nodes, t0, t1, shift, half, n, tok)
+                for side in range(2):
+                    m = np.int64(n) if side == 0 else np.int64(c)
+                    dm = np.int64(d) + side
+                    h = hp[d] if side == 0 else hn[d + 1]
+                    if dm == 0 or mark[m] == stamp:
+                        continue
+                    if mark[m] == 0:
+                        key_out[n_keys] = h * KEY_A + owner_term + dm
+                        key_node[n_keys] = m
+                        key_owner[n_keys] = owner
+                        n_keys += 1
+                    mark[m] = stamp
+                    dirty[n_dirty] = m
+                    b = nodes[m, BEST]
+                    values[n_dirty, 0] = nodes[m, TOT]
+                    values[n_dirty, 1] = nodes[b, TOK] if b >= 0 else -1
+                    values[n_dirty, 2] = nodes[b, CNT] if b >= 0 else 0
+                    n_dirty += 1
+                if deepest < 0:
+                    deepest = c
+            if d == 0:
+                break
+            n = nodes[n, LINK]
+        node = deepest
+    return n_keys, n_dirty
+
+
+@kernel
+def _touched(nodes, t0, t1, shift, half, max_depth, paths, group_starts, group_owners, cross_starts,
+             cross_owner, window, tokens, counts, mark, stamp, powers, key_out, key_node, key_owner,
+             dirty, values, n_keys, n_dirty):
+    """:func:`_walk` for each path's appends of ``tokens[i, :counts[i]]`` to
+    its group trie and the cross-group trie (``cross_starts[i] < 0``: none),
+    its text being its window (its last tokens) then those; the windows move on."""
+    d = window.shape[1]
+    text = np.empty(d + tokens.shape[1], np.int64)
+    for i in range(paths.shape[0]):
+        n = counts[i]
+        if n == 0:
             continue
-        owner_term = (owners[i] + 1) * KEY_B
-        for p in range(begins[i], ends[i]):
-            tok = text[i, p]
-            # hp[d]: hash of text[p-d:p]; hn[d]: of text[p-d+1:p+1]
-            hp[0] = 0
-            hn[0] = 0
-            hn[1] = tok + 1
-            for d in range(1, max_depth + 1):
-                if p - d >= 0:
-                    hp[d] = hp[d - 1] + (text[i, p - d] + 1) * powers[d - 1]
-                if d + 1 <= max_depth and p - d >= 0:
-                    hn[d + 1] = hn[d] + (text[i, p - d] + 1) * powers[d]
-            n = node
-            deepest = -1
-            while True:
-                d = nodes[n, DEP]
-                if d < max_depth:
-                    c = _child(nodes, t0, t1, shift, half, n, tok)
-                    for side in range(2):
-                        m = np.int64(n) if side == 0 else np.int64(c)
-                        dm = np.int64(d) + side
-                        h = hp[d] if side == 0 else hn[d + 1]
-                        if dm == 0 or mark[m] == stamp:
-                            continue
-                        if mark[m] == 0:
-                            key_out[n_keys] = h * KEY_A + owner_term + dm
-                            key_node[n_keys] = m
-                            key_owner[n_keys] = owners[i]
-                            n_keys += 1
-                        mark[m] = stamp
-                        dirty[n_dirty] = m
-                        b = nodes[m, BEST]
-                        values[n_dirty, 0] = nodes[m, TOT]
-                        values[n_dirty, 1] = nodes[b, TOK] if b >= 0 else -1
-                        values[n_dirty, 2] = nodes[b, CNT] if b >= 0 else 0
-                        n_dirty += 1
-                    if deepest < 0:
-                        deepest = c
-                if d == 0:
-                    break
-                n = nodes[n, LINK]
-            node = deepest
+        text[:d] = window[paths[i]]
+        text[d:d + n] = tokens[i, :n]
+        if group_starts[i] >= 0:
+            n_keys, n_dirty = _walk(nodes, t0, t1, shift, half, max_depth, group_starts[i],
+                                    group_owners[i], text, d, d + n, mark, stamp, powers, key_out,
+                                    key_node, key_owner, dirty, values, n_keys, n_dirty)
+        if cross_starts[i] >= 0:
+            n_keys, n_dirty = _walk(nodes, t0, t1, shift, half, max_depth, cross_starts[i],
+                                    cross_owner, text, d, d + n, mark, stamp, powers, key_out,
+                                    key_node, key_owner, dirty, values, n_keys, n_dirty)
+        window[paths[i]] = text[n:n + d]
     return n_keys, n_dirty
 
 
@@ -154,7 +173,8 @@ class LaggedTries:
         self._window = np.full((0, o.max_depth), -1, np.int64)  # path -> its last tokens
         forest = self.drafter.forest
         self._mark = np.zeros(2 * forest.half, np.int32)  # node -> 0: not in the table; else last stamp
-        self._keyed_roots: set[int] = set()
+        self._keyed_roots: set[int] = set()  # group tries whose prompt tail is keyed
+        self._tail_roots: list[int] = []     # group tries seen this call (maybe new)
         self._evictions = self.drafter.evictions
         self._cross = self.drafter.cross_root
         self._young = forest.young
@@ -168,7 +188,6 @@ class LaggedTries:
     def begin_call(self) -> None:
         self.calls += 1
         self._drops: tuple[list, list] = ([], [])
-        self._tails: list[int] = []  # paths whose group trie may be new
 
     def add(self, prompt) -> int:
         """A new path continuing ``prompt``; returns its id."""
@@ -182,7 +201,7 @@ class LaggedTries:
         self._window[path] = -1
         if len(tail):
             self._window[path, -len(tail):] = tail
-        self._tails.append(path)
+        self._tail_roots.append(int(d.path_group(path).root))
         return path
 
     def leave(self, path: int) -> None:
@@ -224,7 +243,7 @@ class LaggedTries:
         """Each path's group trie (its root id: the table's owner key),
         (re)built if evicted, as the drafter would draft from it."""
         roots = self.drafter.group_roots(paths)
-        self._tails.extend(np.asarray(paths).tolist())
+        self._tail_roots.extend(roots.tolist())
         return roots
 
     def _feed(self, paths, tokens, counts):
@@ -235,7 +254,6 @@ class LaggedTries:
         counts = counts[:len(paths)]
         d.extend_from(paths, tokens, np.arange(len(paths)), np.zeros(len(paths), np.int64), counts)
         self.tokens_fed += int(counts.sum())
-        self._tails.extend(paths.tolist())  # a feed may rebuild an evicted group trie
         if d.evictions != evictions:  # cursors into the reset half are stale: count them unset
             young = d.forest.young
             before[d.forest.half_of(np.maximum(before, 0)) == young] = -1
@@ -267,60 +285,45 @@ class LaggedTries:
         if d.evictions != self._evictions:
             self._evictions = d.evictions
             self.entries = int(np.count_nonzero(self._mark))
-        stamp = self.calls
-        seqs = []  # (start node, owner, text, begin, end)
-        for tail_path in dict.fromkeys(self._tails):
-            group = d.path_group(tail_path)
-            if group is not None and group.root >= 0 and group.root not in self._keyed_roots:
-                self._keyed_roots.add(group.root)
-                text = group.prompt_tail.astype(np.int64)
-                seqs.append((group.root, group.root, text, 0, len(text)))
+        tails = []
+        cross = d.cross_root
+        fed_roots = []
         for paths, tokens, counts, before, roots_before, cross_before in fed:
             roots_after = d.group_roots(paths, attach=False)
-            window = self._window[paths]
-            text = np.concatenate([window, np.asarray(tokens[:len(paths)], np.int64)], axis=1)
-            begin = self.max_depth
-            for i in range(len(paths)):
-                n = int(counts[i])
-                if not n:
-                    continue
-                g = int(before[i, 0]) if roots_after[i] == roots_before[i] and before[i, 0] >= 0 \
-                    else int(roots_after[i])
-                seqs.append((g, int(roots_after[i]), text[i], begin, begin + n))
-                if d.cross_root >= 0:
-                    c = int(before[i, 1]) if d.cross_root == cross_before and before[i, 1] >= 0 \
-                        else d.cross_root
-                    seqs.append((c, d.cross_root, text[i], begin, begin + n))
-            # the paths' windows move on: the last max_depth tokens of their text
-            idx = (begin + counts[:len(paths), None] - self.max_depth
-                   + np.arange(self.max_depth)[None, :])
-            self._window[paths] = np.take_along_axis(text, idx, axis=1)
-        return self._run(seqs, stamp, drop_nodes, drop_owners)
+            fed_roots.append(roots_after)
+            group_starts = np.where((roots_after == roots_before) & (before[:, 0] >= 0),
+                                    before[:, 0], roots_after)
+            cross_starts = (np.where(before[:, 1] >= 0, before[:, 1], cross) if cross == cross_before
+                            else np.full(len(paths), cross, np.int64))
+            tails.append((paths, group_starts, roots_after, cross_starts, tokens, counts))
+        roots = [r for r in dict.fromkeys(self._tail_roots + [r for a in fed_roots for r in a.tolist()])
+                 if r >= 0 and r not in self._keyed_roots]
+        self._tail_roots = []
+        return self._run(tails, roots, cross, drop_nodes, drop_owners)
 
-    def _run(self, seqs, stamp, drop_nodes, drop_owners) -> TableDelta:
-        forest = self.drafter.forest
-        width = max((len(t) for _, _, t, _, _ in seqs), default=1)
-        r = len(seqs)
-        starts = np.array([s[0] for s in seqs], np.int64)
-        owners = np.array([s[1] for s in seqs], np.int64)
-        text = np.full((r, width), -1, np.int64)
-        for i, (_, _, t, _, _) in enumerate(seqs):
-            text[i, :len(t)] = t
-        begins = np.array([s[3] for s in seqs], np.int64)
-        ends = np.array([s[4] for s in seqs], np.int64)
-        cap = int((ends - begins).sum()) * 2 * (self.max_depth + 1) + 1
-        keys = np.empty(cap, np.int64)
-        key_nodes = np.empty(cap, np.int64)
-        key_owners = np.empty(cap, np.int64)
-        dirty = np.empty(cap, np.int64)
+    def _run(self, fed, roots, cross, drop_nodes, drop_owners) -> TableDelta:
+        """The kernels over this call's appends and new group tries' prompt tails."""
+        d, forest = self.drafter, self.drafter.forest
+        groups = [d.group_of_root(r) for r in roots]
+        total = sum(int(c.sum()) for *_, c in fed) + sum(len(g.prompt_tail) for g in groups if g)
+        cap = total * 4 * (self.max_depth + 1) + 1
+        keys, key_nodes, key_owners, dirty = (np.empty(cap, np.int64) for _ in range(4))
         values = np.empty((cap, 3), np.int32)
-        n_keys, n_dirty = _touched(forest._nodes, *forest._tables, forest._shift, forest.half,
-                                   self.max_depth, starts, owners, text, begins, ends, self._mark,
-                                   stamp, self.powers, keys, key_nodes, key_owners, dirty, values)
+        n_keys = n_dirty = 0
+        args = (forest._nodes, *forest._tables, forest._shift, forest.half, self.max_depth)
+        outs = (self._mark, self.calls, self.powers, keys, key_nodes, key_owners, dirty, values)
+        for paths, group_starts, owners, cross_starts, tokens, counts in fed:
+            n_keys, n_dirty = _touched(*args, paths, group_starts, owners, cross_starts, cross,
+                                       self._window, tokens, counts, *outs, n_keys, n_dirty)
+        for root, group in zip(roots, groups):
+            if group is None:
+                continue
+            self._keyed_roots.add(root)
+            tail = group.prompt_tail.astype(np.int64)
+            n_keys, n_dirty = _walk(*args, root, root, tail, 0, len(tail), *outs, n_keys, n_dirty)
         self.entries += n_keys
-        cross = key_owners[:n_keys] == self._cross
-        if cross.any():
-            self._cross_nodes.append(key_nodes[:n_keys][cross])
-        self._tails = []
+        cross_keys = key_owners[:n_keys] == self._cross
+        if cross_keys.any():
+            self._cross_nodes.append(key_nodes[:n_keys][cross_keys])
         return TableDelta(drop_nodes, drop_owners, keys[:n_keys], key_nodes[:n_keys],
                           key_owners[:n_keys], dirty[:n_dirty], values[:n_dirty])
