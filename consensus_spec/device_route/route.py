@@ -153,6 +153,8 @@ class DeviceRoute:
         return {"lag": self.route.lag, "device_lookups": rows, "hit_rate": hits / max(rows, 1),
                 "cross_hit_share": cross_hits / max(hits, 1), "table_entries": self.table.size,
                 "table_cross_entries": self.tries.cross_entries,
+                "table_cross_entries_max": self.tries.cross_entries_max,
+                "cross_restarts": self.tries.cross_restarts,
                 "table_cross_cap": self.route.cross_entries, "late_feeds": self.tries.late_feeds,
                 "host_paths_us_per_call": self.host_paths_s * 1e6 / calls,
                 "host_feed_us_per_call": self.host_feed_s * 1e6 / calls,

@@ -188,7 +188,8 @@ class ContextTable:
         last = out.gather(1, (drafted - 1).clamp(min=0)[:, None])
         out = torch.where(cols < drafted[:, None], out, last)
         out = torch.where(drafted[:, None] > 0, out, text[:, -1:])  # a miss: the last token
-        if k:
-            self.lookups += torch.stack([torch.tensor(b, device=self.device), (drafted > 0).sum(),
-                                         ((drafted > 0) & ~has_a).sum()])
+        if k:  # no host values: capturable in a CUDA graph
+            self.lookups[0] += b
+            self.lookups[1] += (drafted > 0).sum()
+            self.lookups[2] += ((drafted > 0) & ~has_a).sum()
         return out

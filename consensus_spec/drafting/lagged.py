@@ -180,6 +180,9 @@ class LaggedTries:
         self._young = forest.young
         self.entries = 0          # table entries (keys) on the device
         self._cross_nodes: list[np.ndarray] = []  # nodes keyed for the current cross-group trie
+        self._cross_count = 0
+        self.cross_entries_max = 0  # the most the current cross-group trie ever had in the table
+        self.cross_restarts = 0
         self.tokens_fed = 0
         self.late_feeds = 0       # due copies not yet visible at their call (fed later)
 
@@ -237,7 +240,7 @@ class LaggedTries:
     @property
     def cross_entries(self) -> int:
         """Table entries of the current cross-group trie (the shared part)."""
-        return sum(map(len, self._cross_nodes))
+        return self._cross_count
 
     def roots(self, paths) -> np.ndarray:
         """Each path's group trie (its root id: the table's owner key),
@@ -276,11 +279,12 @@ class LaggedTries:
         if d.evictions != self._evictions or d.cross_root != self._cross:
             if self._cross >= 0:  # the cross-group trie restarted (a rotation restarts it too)
                 drop_owners.append(self._cross)
+                self.cross_restarts += 1
                 if self._cross_nodes:
                     old = np.concatenate(self._cross_nodes)
                     self._mark[old] = 0
                     self.entries -= len(old)
-            self._cross_nodes = []
+            self._cross_nodes, self._cross_count = [], 0
             self._cross = d.cross_root
         if d.evictions != self._evictions:
             self._evictions = d.evictions
@@ -325,5 +329,7 @@ class LaggedTries:
         cross_keys = key_owners[:n_keys] == self._cross
         if cross_keys.any():
             self._cross_nodes.append(key_nodes[:n_keys][cross_keys])
+            self._cross_count += len(self._cross_nodes[-1])
+            self.cross_entries_max = max(self.cross_entries_max, self.cross_entries)
         return TableDelta(drop_nodes, drop_owners, keys[:n_keys], key_nodes[:n_keys],
                           key_owners[:n_keys], dirty[:n_dirty], values[:n_dirty])

@@ -4,8 +4,9 @@
 V2 builds its n-gram speculator through ``init_speculator``, which imports
 ``NgramGPUSpeculator`` from its module when called. :func:`register` (a
 ``vllm.general_plugins`` entry point, so it runs in every vLLM process
-before a runner is built) probes that slot and the state the speculator
-reads; only if every probe passes does it replace that module attribute with
+before a runner is built; on CUDA platforms only) probes that slot and the
+state the speculator reads; only if every probe passes does it replace that
+module attribute with
 a factory that builds :class:`ConsensusDeviceSpeculator` when
 ``additional_config["consensus_spec"]["route"] == "device"`` and vLLM's own
 class otherwise. On any failed probe it logs one WARNING and leaves vLLM
@@ -101,13 +102,28 @@ def probes() -> list[tuple[str, bool]]:
 
 
 def register() -> bool:
-    """vLLM general-plugin hook: install the factory if every probe passes.
-    Idempotent; never raises. Returns whether the factory is installed."""
+    """vLLM general-plugin hook (every vLLM process): on a CUDA platform,
+    :func:`install`; elsewhere Model Runner V2 cannot run and nothing is
+    touched. Never raises."""
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cuda():
+            logger.debug("consensus_spec: device route not installed (not a CUDA platform)")
+            return False
+    except Exception:  # noqa: BLE001 - vLLM absent or too different
+        return False
+    return install()
+
+
+def install() -> bool:
+    """Take the ngram slot if every probe passes; else one WARNING and vLLM
+    untouched. Idempotent; never raises. Returns whether it is taken."""
     if _installed:
         return True
     try:
         failed = [what for what, holds in probes() if not holds]
-    except Exception as e:  # noqa: BLE001 - vLLM absent or too different
+    except Exception as e:  # noqa: BLE001 - vLLM too different to probe
         failed = [f"probing failed ({type(e).__name__}: {e})"]
     if failed:
         logger.warning("consensus_spec: device route not installed, vLLM left untouched (%s); "
@@ -121,6 +137,8 @@ def register() -> bool:
     except Exception as e:  # noqa: BLE001
         logger.warning("consensus_spec: device route not installed (%s)", e)
         return False
+    logger.info("consensus_spec: %s.NgramGPUSpeculator now builds the consensus device route "
+                "where additional_config sets route='device' (vLLM's class otherwise)", SLOT)
     return True
 
 

@@ -275,9 +275,24 @@ def main(argv=None) -> int:
     from .projection import DEFAULT_COSTS, StepCosts
 
     ap = argparse.ArgumentParser(prog="python -m evals device-route", description=table.__doc__)
-    ap.add_argument("results", help="a .json from `python -m evals replay --methods ... device-lag1 ...`")
+    ap.add_argument("results", help="a .json from `python -m evals replay --methods ... device-lag1 ...`, "
+                    "or with --host-bench a trace file")
     ap.add_argument("--costs", default=DEFAULT_COSTS)
+    ap.add_argument("--host-bench", action="store_true", help="time the speculator's host part per "
+                    "call (feed + table refresh) on the trace file, without the gather")
+    ap.add_argument("--rows", type=int, default=128)
+    ap.add_argument("--k", type=int, default=1)
+    ap.add_argument("--lag", type=int, default=1)
+    ap.add_argument("--limit", type=int, default=100)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tokenizer")
     args = ap.parse_args(argv)
+    if args.host_bench:
+        from .device_speculator import host_bench
+        for rec in host_bench(args.results, args.rows, args.k, args.lag, args.limit, args.repeats,
+                              args.tokenizer):
+            print(json.dumps(rec))
+        return 0
     with open(args.results, encoding="utf-8") as f:
         results = json.load(f)["results"]
     costs = (StepCosts.from_model("h200_7b") if args.costs == DEFAULT_COSTS

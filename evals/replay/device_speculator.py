@@ -115,3 +115,74 @@ class SpeculatorDrafter:
     def route_stats(self) -> dict:
         return {**self.speculator.stats(), "drafts_sha1": self.digest.hexdigest(),
                 "drafter_calls": self.calls}
+
+
+class HostTimed:
+    """The emulation's drafts with the speculator's host part beside it: a
+    :class:`LaggedTries` fed the same tokens each call, its feed and delta
+    timed in thread CPU time. What the host does per step on a GPU server,
+    without the CPU standing in for the device (the gather) in between."""
+
+    def __init__(self, emulation, lag: int):
+        from consensus_spec.drafting.lagged import LaggedTries
+
+        self.emulation = emulation
+        self.tries = LaggedTries(lag, emulation.drafter.options)
+        self.paths: dict[str, int] = {}
+        self.feed_s: list[float] = []
+        self.delta_s: list[float] = []
+
+    def __call__(self, sampled, batch):
+        import time
+
+        tries, rows = self.tries, len(sampled)
+        req_ids = list(batch.req_ids[:rows])
+        tries.begin_call()
+        for req in sorted(set(self.paths) - set(req_ids)):
+            tries.leave(self.paths.pop(req))
+        for i, req in enumerate(req_ids):
+            if req not in self.paths:
+                self.paths[req] = tries.add(batch.token_ids_cpu[i, :int(batch.num_prompt_tokens[i])])
+        paths = np.fromiter((self.paths[r] for r in req_ids), np.int64, rows)
+        counts = np.fromiter(map(len, sampled), np.int64, rows)
+        tokens = np.zeros((rows, max(counts.max(initial=1), 1)), np.int32)
+        for i, s in enumerate(sampled):
+            tokens[i, :len(s)] = s
+        tries.push(paths, tokens, counts)
+        t0 = time.thread_time()
+        fed = tries.advance()
+        t1 = time.thread_time()
+        if rows:
+            tries.roots(paths)
+        tries.delta(fed)
+        t2 = time.thread_time()
+        self.feed_s.append(t1 - t0)
+        self.delta_s.append(t2 - t1)
+        return self.emulation(sampled, batch)
+
+
+def host_bench(traces: str, rows: int, k: int, lag: int, limit: int, repeats: int,
+               tokenizer: str | None = None) -> list[dict]:
+    """Host CPU time per call (feed + refresh) of the device route at ``rows``
+    rows and a fixed K, per repeat: median, p90, mean."""
+    from consensus_spec.drafting.drafter import DrafterOptions
+
+    from ..traces import load_problems, load_tokenizer
+    from .device_route import DeviceRouteDrafter
+    from .engine import replay
+
+    problems = load_problems(traces, load_tokenizer(tokenizer), limit=limit)
+    max_len = max(len(p.prompt) + max(map(len, p.completions)) for p in problems) + k + 2
+    out = []
+    for r in range(repeats + 1):  # the first run compiles and warms up: not reported
+        timed = HostTimed(DeviceRouteDrafter(lag, lambda n: k, DrafterOptions()), lag)
+        replay(problems if r else problems[:2], timed, "device-host", k, rows)
+        if not r:
+            continue
+        feed, delta = np.array(timed.feed_s) * 1e6, np.array(timed.delta_s) * 1e6
+        both = feed + delta
+        out.append({"rows": rows, "k": k, "lag": lag, "calls": len(both), "max_len": max_len,
+                    "host_us_median": float(np.median(both)), "host_us_p90": float(np.percentile(both, 90)),
+                    "host_us_mean": float(both.mean()), "feed_us_median": float(np.median(feed)),
+                    "refresh_us_median": float(np.median(delta))})
+    return out

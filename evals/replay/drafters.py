@@ -213,10 +213,10 @@ def make_drafter(method: str, k: int, max_model_len: int, max_num_seqs: int,
         from consensus_spec.vllm.options import split_options
 
         from .device_route import DeviceRouteDrafter
-        options, _, _ = split_options(consensus_options)
         lag = int(method.removeprefix("device-emul-lag"))
+        options, _, route = split_options({**(consensus_options or {}), "lag": lag})
         # the options the speculator runs with (its cross-group cap), so drafts can match
-        options = drafter_options(options, split_options({"lag": lag})[2], max_num_seqs, k + 1)
+        options = drafter_options(options, route, max_num_seqs, k + 1)
         return DeviceRouteDrafter(lag, k_at, options)
     if method in DEVICE_METHODS:
         from .device_speculator import SpeculatorDrafter
