@@ -56,22 +56,24 @@ class DeviceRoute:
         self.host_feed_s = 0.0      # ... appending due tokens to the tries
         self.host_refresh_s = 0.0   # ... computing and staging the table's delta
         self.host_calls = 0
+        self.staged_bytes = 0       # host -> device bytes of the table's deltas (and group ids)
         self._recent_host_s = np.zeros(HOST_WINDOW)  # feed + refresh of the last calls (a ring)
 
     # -- host <-> device copies -------------------------------------------
 
-    def _to_host(self, x: torch.Tensor):
-        """A host copy of ``x`` and a ``ready()`` poll for it."""
+    def _to_host(self, *xs: torch.Tensor):
+        """Host copies of ``xs`` and one ``ready()`` poll for all of them."""
         if self._copy_stream is None:
-            return x.cpu().numpy(), None
-        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            return [x.cpu().numpy() for x in xs], None
+        hosts = [torch.empty(x.shape, dtype=x.dtype, pin_memory=True) for x in xs]
         self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._copy_stream):
-            host.copy_(x, non_blocking=True)
-            x.record_stream(self._copy_stream)
+            for host, x in zip(hosts, xs):
+                host.copy_(x, non_blocking=True)
+                x.record_stream(self._copy_stream)
             event = torch.cuda.Event()
             event.record()
-        return host.numpy(), event.query
+        return [h.numpy() for h in hosts], event.query
 
     def _to_device(self, arrays):
         """Device copies of host arrays, ordered before the main stream's next work."""
@@ -122,7 +124,7 @@ class DeviceRoute:
         if rows:
             cols = ends[:, None] - num_sampled.long()[:, None] + torch.arange(s, device=self.device)
             sampled = token_ids[slots[:, None], cols.clamp(min=0)]
-            (tokens, ready), (counts, _) = self._to_host(sampled), self._to_host(num_sampled)
+            (tokens, counts), ready = self._to_host(sampled, num_sampled)
             tries.push(paths, tokens, counts, ready)
         t2 = time.thread_time()
         fed = tries.advance()
@@ -131,6 +133,7 @@ class DeviceRoute:
         delta = tries.delta(fed)
         arrays = [delta.keys, delta.key_nodes, delta.key_owners, delta.nodes, delta.values, roots]
         keys, key_nodes, key_owners, nodes, values, groups = self._to_device(arrays)
+        self.staged_bytes += sum(a.nbytes for a in arrays)
         t4 = time.thread_time()
         self.table.apply(delta.drop_nodes, delta.drop_owners, keys, key_nodes, key_owners,
                          nodes, values)

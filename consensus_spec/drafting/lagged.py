@@ -214,8 +214,8 @@ class LaggedTries:
         """Tokens ``tokens[i, :counts[i]]`` written by ``paths[i]`` this call.
         ``ready()``, if given, says whether the arrays can be read yet (a
         device-to-host copy in flight); it is asked when they fall due."""
-        self.pending.append((self.calls + self.lag, np.asarray(paths, np.int64), tokens,
-                             np.asarray(counts, np.int64), ready))
+        self.pending.append((self.calls + self.lag, np.asarray(paths, np.int64), tokens, counts,
+                             ready))  # not read before ready(): a copy may be in flight
 
     def advance(self, wait=None) -> tuple[np.ndarray, TableDelta]:
         """Append what is due, release paths due, and return the delta.
@@ -254,7 +254,7 @@ class LaggedTries:
         before = d.cursors(paths)
         roots_before = d.group_roots(paths, attach=False)
         cross_before, evictions = d.cross_root, d.evictions
-        counts = counts[:len(paths)]
+        counts = np.asarray(counts, np.int64)[:len(paths)]
         d.extend_from(paths, tokens, np.arange(len(paths)), np.zeros(len(paths), np.int64), counts)
         self.tokens_fed += int(counts.sum())
         if d.evictions != evictions:  # cursors into the reset half are stale: count them unset

@@ -227,7 +227,8 @@ def check_step_costs(torch, device, gemms, toy: bool, emit) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m evals gpu-check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or "results")
-    ap.add_argument("--toy", action="store_true", help="tiny sizes (CPU, CI): the script runs, nothing is measured")
+    ap.add_argument("--toy", action="store_true",
+                    help="tiny sizes (CPU, CI): the script runs, nothing is measured")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--checks", nargs="+", default=["gather", "overlap", "lag", "step_costs"],
                     choices=["gather", "overlap", "lag", "step_costs"])

@@ -256,8 +256,8 @@ def table_costs(results: list[dict], costs=None) -> str:
              "| changed contexts / step | host µs / step (feed + refresh) | lag × step ms |",
              "|" + "---|" * 10]
     for r in results:
-        if not r["method"].startswith("device") or not r.get("k_at_batch"):
-            continue
+        if "refresh_full_bytes" not in r or not r.get("k_at_batch"):
+            continue  # the emulation's accounting (device-emul-lag*) only
         k, b = r["k_at_batch"], r["batch"]
         budget = f"{r['lag'] * costs.step_ms(b, 1 + k):.1f}" if costs is not None else "–"
         host = r["host_feed_us_per_call"] + r.get("host_refresh_us_per_call", 0.0)

@@ -96,7 +96,8 @@ class SpeculatorDrafter:
         flat_pos = np.repeat(ends - counts, counts) + (np.arange(counts.sum())
                                                        - np.repeat(np.cumsum(counts) - counts, counts))
         tokens = np.fromiter((t for s in sampled for t in s), np.int32, int(counts.sum()))
-        rs.all_token_ids.gpu[torch.from_numpy(flat_rows), torch.from_numpy(flat_pos)] = torch.from_numpy(tokens)
+        at = (torch.from_numpy(flat_rows), torch.from_numpy(flat_pos))
+        rs.all_token_ids.gpu[at] = torch.from_numpy(tokens)
         rs.total_len.gpu[torch.from_numpy(slots)] = torch.from_numpy(ends.astype(np.int32))
         idx = torch.from_numpy(slots)
         input_batch = dataclasses.replace(self.template, req_ids=req_ids, num_reqs=rows,
