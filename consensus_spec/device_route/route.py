@@ -127,7 +127,7 @@ class DeviceRoute:
             (tokens, counts), ready = self._to_host(sampled, num_sampled)
             tries.push(paths, tokens, counts, ready)
         t2 = time.thread_time()
-        fed = tries.advance()
+        fed = tries.advance(self._copy_stream.synchronize if self._copy_stream else None)
         t3 = time.thread_time()
         roots = tries.roots(paths) if k > 0 and rows else np.zeros(0, np.int64)
         delta = tries.delta(fed)
