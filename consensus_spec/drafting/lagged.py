@@ -152,9 +152,11 @@ class LaggedTries:
     """Consensus tries that see every path's tokens ``lag`` calls after they
     were written, and the device table's delta each call.
 
-    Per call: :meth:`add` new paths (prompt: not lagged), :meth:`leave` paths
-    gone (released once their queued tokens are in), :meth:`push` this call's
-    tokens, then :meth:`advance` appends what is due and returns the delta.
+    Per call: :meth:`begin_call`; :meth:`add` new paths (prompt: not lagged),
+    :meth:`leave` paths gone (released once their queued tokens are in),
+    :meth:`push` this call's tokens; :meth:`advance` appends what is due;
+    :meth:`roots` attaches the paths about to draft; :meth:`delta` is the
+    table's change.
     A path's tokens pushed at call t are in the tries from call t + lag on,
     never before."""
 
@@ -177,7 +179,6 @@ class LaggedTries:
         self._tail_roots: list[int] = []     # group tries seen this call (maybe new)
         self._evictions = self.drafter.evictions
         self._cross = self.drafter.cross_root
-        self._young = forest.young
         self.entries = 0          # table entries (keys) on the device
         self._cross_nodes: list[np.ndarray] = []  # nodes keyed for the current cross-group trie
         self._cross_count = 0
@@ -190,7 +191,6 @@ class LaggedTries:
 
     def begin_call(self) -> None:
         self.calls += 1
-        self._drops: tuple[list, list] = ([], [])
 
     def add(self, prompt) -> int:
         """A new path continuing ``prompt``; returns its id."""
@@ -217,8 +217,9 @@ class LaggedTries:
         self.pending.append((self.calls + self.lag, np.asarray(paths, np.int64), tokens, counts,
                              ready))  # not read before ready(): a copy may be in flight
 
-    def advance(self, wait=None) -> tuple[np.ndarray, TableDelta]:
-        """Append what is due, release paths due, and return the delta.
+    def advance(self, wait=None) -> list:
+        """Append what is due and release the paths due; returns what was
+        fed, for :meth:`delta`.
         A due copy not yet ready is left for a later call (``wait``: a
         callable that blocks until ready, used only at lag 0)."""
         fed = []

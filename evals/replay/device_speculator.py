@@ -132,6 +132,7 @@ class HostTimed:
         self.paths: dict[str, int] = {}
         self.feed_s: list[float] = []
         self.delta_s: list[float] = []
+        self.wall_s: list[float] = []
 
     def __call__(self, sampled, batch):
         import time
@@ -150,22 +151,24 @@ class HostTimed:
         for i, s in enumerate(sampled):
             tokens[i, :len(s)] = s
         tries.push(paths, tokens, counts)
-        t0 = time.thread_time()
+        w0, t0 = time.perf_counter(), time.thread_time()
         fed = tries.advance()
         t1 = time.thread_time()
         if rows:
             tries.roots(paths)
         tries.delta(fed)
-        t2 = time.thread_time()
+        t2, w2 = time.thread_time(), time.perf_counter()
         self.feed_s.append(t1 - t0)
         self.delta_s.append(t2 - t1)
+        self.wall_s.append(w2 - w0)
         return self.emulation(sampled, batch)
 
 
 def host_bench(traces: str, rows: int, k: int, lag: int, limit: int, repeats: int,
                tokenizer: str | None = None) -> list[dict]:
-    """Host CPU time per call (feed + refresh) of the device route at ``rows``
-    rows and a fixed K, per repeat: median, p90, mean."""
+    """Host time per call (feed + refresh) of the device route at ``rows``
+    rows and a fixed K, per repeat: thread CPU time (median, p90, mean) and
+    wall time (median, mean)."""
     from consensus_spec.drafting.drafter import DrafterOptions
 
     from ..traces import load_problems, load_tokenizer
@@ -181,9 +184,10 @@ def host_bench(traces: str, rows: int, k: int, lag: int, limit: int, repeats: in
         if not r:
             continue
         feed, delta = np.array(timed.feed_s) * 1e6, np.array(timed.delta_s) * 1e6
-        both = feed + delta
+        both, wall = feed + delta, np.array(timed.wall_s) * 1e6
         out.append({"rows": rows, "k": k, "lag": lag, "calls": len(both), "max_len": max_len,
                     "host_us_median": float(np.median(both)), "host_us_p90": float(np.percentile(both, 90)),
-                    "host_us_mean": float(both.mean()), "feed_us_median": float(np.median(feed)),
+                    "host_us_mean": float(both.mean()), "wall_us_median": float(np.median(wall)),
+                    "wall_us_mean": float(wall.mean()), "feed_us_median": float(np.median(feed)),
                     "refresh_us_median": float(np.median(delta))})
     return out
