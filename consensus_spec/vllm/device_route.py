@@ -24,6 +24,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import re
 from functools import lru_cache
 from typing import Any
 
@@ -89,7 +90,7 @@ def probes() -> list[tuple[str, bool]]:
          set(speculator.BaseSpeculator.__abstractmethods__)
          == {"init_cudagraph_manager", "capture", "propose"}),
         ("RequestState holds all_token_ids, prompt_len, total_len, last_sampled_tokens",
-         all(f"self.{a} =" in state_src for a in
+         all(re.search(rf"self\.{a}\s*(:[^=\n]*)?=", state_src) for a in
              ("all_token_ids", "prompt_len", "total_len", "last_sampled_tokens", "req_id_to_index"))
          and all(p in add_params for p in ("req_id", "prompt_len", "all_token_ids"))),
         ("InputBatch has req_ids, idx_mapping, idx_mapping_np, num_reqs",
