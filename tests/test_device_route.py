@@ -1,4 +1,6 @@
-"""The device-route replay (``python -m evals replay --methods device-lag*``):
+"""The device-route emulation's replay (``python -m evals replay --methods
+device-emul-lag*``; ``device-lag*``, the speculator itself, is in
+tests/test_device_speculator.py):
 sibling tokens reach the tries ``lag`` calls late, and every draft is
 exactly K tokens (or none at K = 0); ``python -m evals device-route`` tables
 a replay's results.
@@ -34,17 +36,18 @@ def replay(tmp, name, probs, methods, rows, k, *extra):
 @pytest.fixture(scope="module")
 def scheduled(tmp_path_factory):
     # full batches: off; the tail (<= 3 rows): K = 3
-    return replay(tmp_path_factory.mktemp("dev"), "sched", problems(), ("device-lag1", "device-lag2"), 6, 4,
+    return replay(tmp_path_factory.mktemp("dev"), "sched", problems(),
+                  ("device-emul-lag1", "device-emul-lag2"), 6, 4,
                   "--schedule", "1-3:3", "4-6:0")
 
 
 @pytest.fixture(scope="module")
 def lags(tmp_path_factory):
     return replay(tmp_path_factory.mktemp("dev"), "lags", problems(n_problems=4, n_samples=8),
-                  ("device-lag0", "device-lag1", "device-lag2"), 8, 3)
+                  ("device-emul-lag0", "device-emul-lag1", "device-emul-lag2"), 8, 3)
 
 
-@pytest.mark.parametrize("method", ["device-lag1", "device-lag2"])
+@pytest.mark.parametrize("method", ["device-emul-lag1", "device-emul-lag2"])
 def test_drafts_are_exactly_k_or_zero_and_follow_the_schedule(scheduled, method):
     probs = problems()
     stats = scheduled[method]
@@ -61,7 +64,7 @@ def test_drafts_are_exactly_k_or_zero_and_follow_the_schedule(scheduled, method)
 def test_every_lag_drafts_and_route_stats_count_the_table(lags):
     k = 3
     for lag in (0, 1, 2):
-        s = lags[f"device-lag{lag}"]
+        s = lags[f"device-emul-lag{lag}"]
         assert s["tau"] > 1.0 and s["drafted"] == k * s["row_steps"]
         assert all(lens == [k] for _, lens in s["calls"])  # no schedule: always K tokens
         assert s["lag"] == lag and 0.0 < s["hit_rate"] <= 1.0

@@ -154,6 +154,31 @@ class ConsensusDrafter:
         """Trie nodes held, for memory checks."""
         return self.forest.num_nodes()
 
+    # Read-only views for a mirror of the tries (the device route's table).
+    @property
+    def cross_root(self) -> int:
+        """Root of the cross-group trie paths draft from (-1: none)."""
+        return self._cross_start()
+
+    def path_group(self, path: int) -> Group | None:
+        return self._path_group[path] if 0 <= path < len(self._path_group) else None
+
+    def group_of_root(self, root: int) -> Group | None:
+        """The group whose trie is rooted at ``root`` (None: none, or the cross-group trie)."""
+        return self._owners.get(root)
+
+    def cursors(self, paths) -> np.ndarray:
+        """(R, 2) copy of the paths' (group trie, cross trie) nodes; ``UNSET``
+        where not attached."""
+        return self._cursor[np.asarray(paths, np.int64)].copy()
+
+    def group_roots(self, paths, attach: bool = True) -> np.ndarray:
+        """Each path's group trie root; with ``attach``, every path is first
+        attached to the current tries (an evicted group trie is rebuilt), as
+        drafting would; without, -1 marks a group with no trie."""
+        paths = self._attached(paths) if attach else np.asarray(paths, np.int64).reshape(-1)
+        return np.array([self._path_group[p].root for p in paths.tolist()], np.int64)
+
     def add_path(self, prompt) -> int:
         """Register a new path continuing ``prompt`` (token ids); returns its id."""
         key = prompt_key(prompt)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from ..budget import AUTO, cost_model
+from ..device_route.options import RouteOptions
 from ..drafting.drafter import DrafterOptions
 
 SECTION = "consensus_spec"  # key of our options in vLLM's additional_config
@@ -39,7 +40,8 @@ class ProposerOptions:
 
 
 _TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
-_KNOWN = {f.name: (cls, f.type) for cls in (DrafterOptions, ProposerOptions) for f in fields(cls)}
+_KNOWN = {f.name: (cls, f.type) for cls in (DrafterOptions, ProposerOptions, RouteOptions)
+          for f in fields(cls)}
 
 
 def _check_type(key: str, value: Any, kind: str) -> None:
@@ -53,17 +55,24 @@ def _check_type(key: str, value: Any, kind: str) -> None:
 
 def parse_options(options: Mapping[str, Any] | None) -> tuple[DrafterOptions, ProposerOptions]:
     """Both option sets from one flat mapping; unknown keys and wrong types
-    are errors that name the option."""
+    are errors that name the option (the route's are checked, not returned)."""
+    return split_options(options)[:2]
+
+
+def split_options(options: Mapping[str, Any] | None
+                  ) -> tuple[DrafterOptions, ProposerOptions, RouteOptions]:
+    """The drafter's, the proposer's and the route's options from one flat mapping."""
     options = dict(options or {})
     unknown = sorted(set(options) - set(_KNOWN))
     if unknown:
         raise ValueError(f"unknown consensus_spec option(s) {unknown}; known: {sorted(_KNOWN)}")
-    split: dict[type, dict] = {DrafterOptions: {}, ProposerOptions: {}}
+    split: dict[type, dict] = {DrafterOptions: {}, ProposerOptions: {}, RouteOptions: {}}
     for key, value in options.items():
         cls, kind = _KNOWN[key]
         _check_type(key, value, kind)
         split[cls][key] = value
-    return DrafterOptions(**split[DrafterOptions]), ProposerOptions(**split[ProposerOptions])
+    return (DrafterOptions(**split[DrafterOptions]), ProposerOptions(**split[ProposerOptions]),
+            RouteOptions(**split[RouteOptions]))
 
 
 def options_from_vllm(vllm_config) -> dict:

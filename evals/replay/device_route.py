@@ -39,6 +39,7 @@ lies between the two figures.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from collections import deque
@@ -112,6 +113,7 @@ class DeviceRouteDrafter:
         self.feed_s = 0.0                      # host CPU time appending to the tries
         self.accounted = []                    # (K, table entries, changed contexts) per sample
         self.refresh_s = 0.0                   # host CPU time recomputing changed contexts' entries
+        self.digest = hashlib.sha1()           # of every call's drafts (to compare with the speculator)
 
     def __call__(self, sampled, batch) -> list[list[int]]:
         self.calls += 1
@@ -135,7 +137,9 @@ class DeviceRouteDrafter:
             self._account(k, before)
         if k <= 0 or rows == 0:
             return [[] for _ in range(rows)]
-        return self._lookup(paths, batch, lens, k)
+        drafts = self._lookup(paths, batch, lens, k)
+        self.digest.update(np.asarray(drafts, np.int64).reshape(rows, k).tobytes())
+        return drafts
 
     def _feed(self) -> None:
         t0 = time.process_time()
@@ -200,7 +204,7 @@ class DeviceRouteDrafter:
         acc = np.array(self.accounted, np.float64).reshape(-1, 3)
         entry_bytes = KEY_BYTES + TOKEN_BYTES * acc[:, 0]
         mean = lambda x: float(x.mean()) if len(x) else 0.0  # noqa: E731
-        return {"lag": self.lag, "device_lookups": lookups,
+        return {"lag": self.lag, "device_lookups": lookups, "drafts_sha1": self.digest.hexdigest(),
                 "hit_rate": self.hits / max(lookups, 1),
                 "cross_hit_share": self.cross_hits / max(self.hits, 1),
                 "table_entries": mean(acc[:, 1]), "table_entries_max": float(acc[:, 1].max(initial=0)),
@@ -252,8 +256,8 @@ def table_costs(results: list[dict], costs=None) -> str:
              "| changed contexts / step | host µs / step (feed + refresh) | lag × step ms |",
              "|" + "---|" * 10]
     for r in results:
-        if not r["method"].startswith("device") or not r.get("k_at_batch"):
-            continue
+        if "refresh_full_bytes" not in r or not r.get("k_at_batch"):
+            continue  # the emulation's accounting (device-emul-lag*) only
         k, b = r["k_at_batch"], r["batch"]
         budget = f"{r['lag'] * costs.step_ms(b, 1 + k):.1f}" if costs is not None else "–"
         host = r["host_feed_us_per_call"] + r.get("host_refresh_us_per_call", 0.0)
@@ -271,9 +275,24 @@ def main(argv=None) -> int:
     from .projection import DEFAULT_COSTS, StepCosts
 
     ap = argparse.ArgumentParser(prog="python -m evals device-route", description=table.__doc__)
-    ap.add_argument("results", help="a .json from `python -m evals replay --methods ... device-lag1 ...`")
+    ap.add_argument("results", help="a .json from `python -m evals replay --methods ... device-lag1 ...`, "
+                    "or with --host-bench a trace file")
     ap.add_argument("--costs", default=DEFAULT_COSTS)
+    ap.add_argument("--host-bench", action="store_true", help="time the speculator's host part per "
+                    "call (feed + table refresh) on the trace file, without the gather")
+    ap.add_argument("--rows", type=int, default=128)
+    ap.add_argument("--k", type=int, default=1)
+    ap.add_argument("--lag", type=int, default=1)
+    ap.add_argument("--limit", type=int, default=100)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tokenizer")
     args = ap.parse_args(argv)
+    if args.host_bench:
+        from .device_speculator import host_bench
+        for rec in host_bench(args.results, args.rows, args.k, args.lag, args.limit, args.repeats,
+                              args.tokenizer):
+            print(json.dumps(rec))
+        return 0
     with open(args.results, encoding="utf-8") as f:
         results = json.load(f)["results"]
     costs = (StepCosts.from_model("h200_7b") if args.costs == DEFAULT_COSTS

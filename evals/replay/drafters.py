@@ -24,11 +24,16 @@ Methods:
 - ``consensus``: this project's proposer (``custom_class``); vLLM 0.32 passes
   custom proposers no scheduled k, so no schedule applies.
 - ``consensus-nobudget``: the same with ``cost_model=off`` (the drafter alone).
-- ``device-lag0``, ``device-lag1``, ``device-lag2``: the device-side route
-  (:mod:`evals.replay.device_route`): consensus tries fed sibling tokens 0, 1 or 2
-  steps late, drafts gathered from a table of K-token continuations by each
-  row's current tokens, K fixed per step. vLLM's Model Runner V2 passes its
-  speculators the scheduled k, so a schedule applies.
+- ``device-lag0``, ``device-lag1``, ``device-lag2``: the device route's vLLM
+  speculator itself (``consensus_spec/vllm/device_route.py``, driven with
+  vLLM's own ``RequestState`` and ``InputBatch`` on CPU tensors:
+  :mod:`evals.replay.device_speculator`): consensus tries fed sibling tokens
+  0, 1 or 2 steps late, drafts gathered on the device from a table of
+  contexts by each row's current tokens, K fixed per step. vLLM's Model
+  Runner V2 passes its speculators the scheduled k, so a schedule applies.
+- ``device-emul-lag0|1|2``: the emulation the route was decided on
+  (:mod:`evals.replay.device_route`), which reads the tries directly; its
+  drafts must equal the speculator's token for token (``drafts_sha1``).
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-DEVICE_METHODS = ("device-lag0", "device-lag1", "device-lag2")  # not run by default
+EMULATED_METHODS = ("device-emul-lag0", "device-emul-lag1", "device-emul-lag2")
+DEVICE_METHODS = ("device-lag0", "device-lag1", "device-lag2") + EMULATED_METHODS  # not run by default
 METHODS = ("none", "ngram", "suffix", "suffix-budget", "consensus-nobudget", "consensus") + DEVICE_METHODS
 BASELINES = ("ngram", "suffix", "suffix-budget")  # what consensus is compared against
 SCHEDULABLE = ("ngram", "suffix") + DEVICE_METHODS  # vLLM passes these the scheduled k
@@ -202,12 +208,20 @@ def make_drafter(method: str, k: int, max_model_len: int, max_num_seqs: int,
         return suffix
     if method == "suffix-budget":
         return BudgetedSuffix(cfg, k)
-    if method in DEVICE_METHODS:
-        from consensus_spec.vllm.options import parse_options
+    if method in EMULATED_METHODS:
+        from consensus_spec.device_route.options import drafter_options
+        from consensus_spec.vllm.options import split_options
 
         from .device_route import DeviceRouteDrafter
-        drafter_options, _ = parse_options(consensus_options)
-        return DeviceRouteDrafter(int(method.removeprefix("device-lag")), k_at, drafter_options)
+        lag = int(method.removeprefix("device-emul-lag"))
+        options, _, route = split_options({**(consensus_options or {}), "lag": lag})
+        # the options the speculator runs with (its cross-group cap), so drafts can match
+        options = drafter_options(options, route, max_num_seqs, k + 1)
+        return DeviceRouteDrafter(lag, k_at, options)
+    if method in DEVICE_METHODS:
+        from .device_speculator import SpeculatorDrafter
+        return SpeculatorDrafter(int(method.removeprefix("device-lag")), k_at, k, max_model_len,
+                                 max_num_seqs, consensus_options)
     from consensus_spec import ConsensusProposer
     options = dict(consensus_options or {})
     if method == "consensus-nobudget":

@@ -14,6 +14,7 @@ LABELS = {
     "consensus-nobudget": "consensus, budget off",
     "consensus": "consensus",
     **{f"device-lag{lag}": f"device route, lag {lag}" for lag in (0, 1, 2)},
+    **{f"device-emul-lag{lag}": f"device route emulated, lag {lag}" for lag in (0, 1, 2)},
 }
 
 
