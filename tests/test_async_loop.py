@@ -113,3 +113,17 @@ def test_cancellation_aborts_every_path_it_started():
     assert not engine.running
     assert sorted(engine.aborted) == sorted(engine.added)
     assert sum(inflight) == 0  # the caller's in-flight count returns to zero
+
+
+def test_idle_fill_opens_early_waves_only_into_rows_idle_engine_wide():
+    from consensus_spec.sampling.waves import PathPlanner
+
+    sched = Schedule(waves=(2,), capacity=8)
+    assert len(PathPlanner(1, 8, sched).admit()) == 8  # own capacity: every wave at once
+    assert len(PathPlanner(1, 8, sched, idle_rows=lambda: 0).admit()) == 2  # the first wave always
+    assert len(PathPlanner(1, 8, sched, idle_rows=lambda: 4).admit()) == 4  # 2 idle rows after it
+    busy = PathPlanner(1, 8, sched, idle_rows=lambda: 0)
+    busy.admit()
+    busy.on_finish(0, 0, "1")
+    to_submit, _ = busy.on_finish(0, 1, "2")
+    assert to_submit == [(0, 2), (0, 3)]  # the next wave is due: sent whatever the load

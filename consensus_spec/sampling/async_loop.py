@@ -45,6 +45,7 @@ async def run_paths_async(
     on_vote: Callable[[int, list, int, bool], None] | None = None,
     on_problem_done: Callable[[int, PathBook], None] | None = None,
     on_submit: Callable[[int], None] | None = None,
+    idle_rows: Callable[[], int] | None = None,
 ) -> SelfConsistencyRun:
     """Sample up to ``n`` paths per prompt through ``generate``, in waves, and vote.
 
@@ -55,9 +56,11 @@ async def run_paths_async(
     :class:`PathBook`), ``on_problem_done(problem, book)`` each problem once
     its vote is final, ``on_submit(count)`` each batch of paths sent (for
     a caller's count of in-flight requests; negative when they end).
+    ``idle_rows()``: engine rows idle now, for an engine shared with other
+    runs (see :class:`~consensus_spec.sampling.waves.PathPlanner`).
     """
     schedule, voting = check_run_options(schedule, stop_rule, voting)
-    book = PathBook(len(prompts), n, schedule, stop_rule, voting, max_tokens, on_vote)
+    book = PathBook(len(prompts), n, schedule, stop_rule, voting, max_tokens, on_vote, idle_rows)
     run_id = run_id or uuid.uuid4().hex[:12]
     rid = lambda p, k: f"{run_id}-{p}-{k}"  # noqa: E731
     events: asyncio.Queue = asyncio.Queue()

@@ -192,18 +192,19 @@ class PathBook:
     The loops only move outputs in and requests out: :meth:`admit` and
     :meth:`finish` return the (problem, path) keys to submit and to abort.
     ``on_vote(problem, answers, remaining, stop)`` is told every stop vote
-    the planner takes (e.g. to stream it).
+    the planner takes (e.g. to stream it); ``idle_rows`` goes to the planner.
     """
 
     def __init__(self, num: int, n: int, schedule: Schedule, stop_rule: StopRule | None,
                  voting: Voting, max_tokens: int,
-                 on_vote: Callable[[int, list, int, bool], None] | None = None):
+                 on_vote: Callable[[int, list, int, bool], None] | None = None,
+                 idle_rows: Callable[[], int] | None = None):
         self.n, self.schedule, self.stop_rule, self.voting = n, schedule, stop_rule, voting
         self.max_tokens = max_tokens
         self.samples: dict[int, dict[int, Sample]] = {i: {} for i in range(num)}
         self.accs: dict[tuple[int, int], _Accumulator] = {}  # running paths
         self.cancelled: dict[int, list[int]] = {i: [] for i in range(num)}  # tokens done per cancelled path
-        self.last_look: dict[int, tuple[int, int]] = {}  # problem -> (paths voted, remaining) of its last vote
+        self.last_look: dict[int, tuple[int, int]] = {}  # problem -> (paths voted, remaining) at its last vote
 
         def stop_check(p: int, answers: list, remaining: int) -> bool:
             stop = rule_says_stop(answers, remaining, stop_rule, timeout_s=voting.timeout_s)
@@ -212,7 +213,8 @@ class PathBook:
                 on_vote(p, answers, remaining, stop)
             return stop
 
-        self.planner = PathPlanner(num, n, schedule, stop_check if stop_rule is not None else None)
+        self.planner = PathPlanner(num, n, schedule, stop_check if stop_rule is not None else None,
+                                   idle_rows)
 
     @property
     def running(self) -> list[tuple[int, int]]:
@@ -277,6 +279,8 @@ class PathBook:
             stopped_early=p in self.planner.stopped,
             weights=weights,
             waves=self.planner.waves_started(p),
+            num_sent=self.n - self.planner.num_unsent(p),
+            stopped_after=self.last_look[p][0] if p in self.planner.stopped else None,
         )
 
     def run(self, wall: float, steps: int = 0, inflight_sum: int = 0) -> SelfConsistencyRun:
