@@ -108,7 +108,7 @@ class _State:
         self.chat_template = getattr(args, "chat_template", None)
         self.runs: dict[str, int] = {}  # run id -> paths in the engine now
         self.requests_total = 0
-        self.requests_failed = 0
+        self.requests_unfinished = 0  # failed, or cancelled by a client that left
         self.ids = itertools.count()
 
     def idle_rows(self) -> int:
@@ -118,7 +118,7 @@ class _State:
 
     def snapshot(self) -> dict:
         return {"requests_active": len(self.runs), "paths_in_flight": sum(self.runs.values()),
-                "requests_total": self.requests_total, "requests_failed": self.requests_failed,
+                "requests_total": self.requests_total, "requests_unfinished": self.requests_unfinished,
                 "limits": {"max_n": self.limits.max_n, "max_prompts": self.limits.max_prompts,
                            "max_inflight": self.limits.max_inflight}}
 
@@ -179,9 +179,10 @@ def _error(status: int, message: str, param: str | None = None):
                                    "code": status}}, status_code=status)
 
 
-async def _render(st: _State, req: SelfConsistencyRequest) -> list[list[int]]:
+def _render(st: _State, req: SelfConsistencyRequest) -> list[list[int]]:
     """Each problem's prompt token ids (the chat template applied to
-    messages), checked against the model's length."""
+    messages), checked against the model's length.  Runs in a worker thread
+    (tokenizing long prompts must not hold up the event loop)."""
     tokenizer = st.engine.renderer.get_tokenizer()
     field = "prompt" if req.prompt is not None else "messages"
     if req.prompt is not None:
@@ -229,7 +230,7 @@ async def handle(raw_request):
         req, stop_rule, schedule, voting = parse_request(body, st.limits)
         if req.model is not None and req.model not in st.model_names:
             return _error(404, f"The model `{req.model}` does not exist.", "model")
-        prompts = await _render(st, req)
+        prompts = await asyncio.to_thread(_render, st, req)
         make_params = _params_factory(req, prompts, st.max_model_len, voting.weighted)
         make_params(0, 0)  # vLLM's own checks, here rather than in the engine
     except BadRequest as e:
@@ -276,7 +277,7 @@ async def handle(raw_request):
                 on_vote=on_vote, on_problem_done=on_problem_done, on_submit=on_submit,
                 idle_rows=st.idle_rows)
         except BaseException:
-            st.requests_failed += 1
+            st.requests_unfinished += 1
             raise
         finally:
             st.runs.pop(run_id, None)
