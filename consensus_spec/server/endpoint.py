@@ -31,8 +31,7 @@ so under load waves run one after another and early stop saves their
 tokens, and on a quiet server they overlap and the answer comes sooner.
 """
 
-from __future__ import annotations
-
+# no "from __future__ import annotations": FastAPI reads the route's Request annotation
 import asyncio
 import itertools
 import json
