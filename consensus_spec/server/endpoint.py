@@ -243,7 +243,8 @@ async def handle(raw_request):
     created = int(time.time())
 
     def on_submit(count: int) -> None:
-        st.runs[run_id] = st.runs.get(run_id, 0) + count
+        if run_id in st.runs:  # a cancelled run's shielded clean-up may end after it left
+            st.runs[run_id] += count
 
     def on_vote(p: int, answers: list, remaining: int, stop: bool) -> None:
         if events is not None:
