@@ -26,6 +26,7 @@ GROUPS = {
     "evals.math": (  # a real engine on math sets
         ("math", "self-consistency math eval: accuracy and speed per drafting method"),
         ("record", "record n sampled completions per problem as JSONL traces (ids, answers)"),
+        ("serve-sc", "self-consistency through a vLLM server: the endpoint vs n=16 clients"),
     ),
     "evals.measure": (  # measurements the projections and the budget take as input
         ("step-costs", "measure a step-cost table T(B, q) for the draft budget"),

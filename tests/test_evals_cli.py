@@ -15,8 +15,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EVALS = os.path.join(ROOT, "evals")
 COMMANDS = ("replay", "dp-replay", "device-route", "faults", "stream", "stop-rules", "waves", "waves-sim",
-            "math", "record", "step-costs", "host-time", "warmup", "fetch-model", "check-vllm",
-            "gpu-check")
+            "math", "record", "serve-sc", "step-costs", "host-time", "warmup", "fetch-model",
+            "check-vllm", "gpu-check")
 
 
 def evals(*args, timeout=120):

@@ -26,7 +26,9 @@ from ..voting.vote import VoteResult, logprob_weights, majority_vote
 from .waves import ALL_AT_ONCE, PathPlanner, Schedule
 
 __all__ = [
+    "PathBook",
     "Voting",
+    "check_run_options",
     "read_spec_counters",
     "resolve_schedule",
     "resolve_stop_rule",
@@ -171,6 +173,129 @@ class _Accumulator:
         return "".join(self.texts)
 
 
+def check_run_options(schedule: Schedule | None, stop_rule: StopRule | None,
+                      voting: Voting | None) -> tuple[Schedule, Voting]:
+    """Defaults and the one cross-option check both engine loops make."""
+    voting = voting or Voting()
+    schedule = resolve_schedule(schedule, stop_rule)
+    if stop_rule is not None and voting.weighted:
+        raise ValueError("stop rules count unweighted votes: early stop needs Voting(weighted=False)")
+    return schedule, voting
+
+
+class PathBook:
+    """One run's bookkeeping, shared by :func:`run_paths` (step-driven) and
+    :func:`~consensus_spec.sampling.async_loop.run_paths_async` (an async
+    engine client): the planner, each running path's output, the finished
+    samples, the cancelled paths' tokens, and the results.
+
+    The loops only move outputs in and requests out: :meth:`admit` and
+    :meth:`finish` return the (problem, path) keys to submit and to abort.
+    ``on_vote(problem, answers, remaining, stop)`` is told every stop vote
+    the planner takes (e.g. to stream it); ``idle_rows`` goes to the planner.
+    """
+
+    def __init__(self, num: int, n: int, schedule: Schedule, stop_rule: StopRule | None,
+                 voting: Voting, max_tokens: int,
+                 on_vote: Callable[[int, list, int, bool], None] | None = None,
+                 idle_rows: Callable[[], int] | None = None):
+        self.n, self.schedule, self.stop_rule, self.voting = n, schedule, stop_rule, voting
+        self.max_tokens = max_tokens
+        self.samples: dict[int, dict[int, Sample]] = {i: {} for i in range(num)}
+        self.accs: dict[tuple[int, int], _Accumulator] = {}  # running paths
+        self.cancelled: dict[int, list[int]] = {i: [] for i in range(num)}  # tokens done per cancelled path
+        self.last_look: dict[int, tuple[int, int]] = {}  # problem -> (paths voted, remaining) at its last vote
+
+        def stop_check(p: int, answers: list, remaining: int) -> bool:
+            stop = rule_says_stop(answers, remaining, stop_rule, timeout_s=voting.timeout_s)
+            self.last_look[p] = (len(answers), remaining)
+            if on_vote is not None:
+                on_vote(p, answers, remaining, stop)
+            return stop
+
+        self.planner = PathPlanner(num, n, schedule, stop_check if stop_rule is not None else None,
+                                   idle_rows)
+
+    @property
+    def running(self) -> list[tuple[int, int]]:
+        return list(self.accs)
+
+    def admit(self) -> list[tuple[int, int]]:
+        """Paths to submit now (see :meth:`PathPlanner.admit`)."""
+        return self._started(self.planner.admit())
+
+    def update(self, key: tuple[int, int], completion, delta: bool) -> bool:
+        """Add one output of a running path; False if the path is not running
+        (not ours, or already aborted)."""
+        acc = self.accs.get(key)
+        if acc is None:
+            return False
+        acc.update(completion, delta)
+        return True
+
+    def finish(self, key: tuple[int, int]) -> tuple[list, list]:
+        """A running path finished: record it, vote; (to submit, to abort)."""
+        if key not in self.accs:
+            return [], []  # aborted by an earlier finish
+        p, k = key
+        acc = self.accs.pop(key)
+        self.samples[p][k] = Sample(k, acc.text, self.voting.extract(acc.text), acc.num_tokens,
+                                    acc.cumulative_logprob, acc.finish_reason)
+        was_stopped = p in self.planner.stopped
+        to_submit, to_abort = self.planner.on_finish(p, k, self.samples[p][k].answer)
+        for a in to_abort:
+            self.cancelled[a[0]].append(self.accs.pop(a).num_tokens)
+        if p in self.planner.stopped and not was_stopped:  # never-sent paths: cancelled at 0 tokens
+            self.cancelled[p] += [0] * self.planner.num_unsent(p)
+        return self._started(to_submit), to_abort
+
+    def _started(self, paths: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        for key in paths:
+            self.accs[key] = _Accumulator()
+        return paths
+
+    def done(self, p: int) -> bool:
+        return self.planner.done(p)
+
+    def vote_of(self, p: int) -> tuple[VoteResult, list[float] | None]:
+        done = [self.samples[p][k] for k in sorted(self.samples[p])]
+        weights = None
+        if self.voting.weighted:  # a zero-token path has no mean logprob: weight 0
+            lps = [-math.inf if s.mean_logprob is None else s.mean_logprob for s in done]
+            weights = logprob_weights(lps, self.voting.weight_method)
+        return majority_vote([s.answer for s in done], weights, self.voting.timeout_s), weights
+
+    def result(self, p: int) -> ProblemResult:
+        vote, weights = self.vote_of(p)
+        done = [self.samples[p][k] for k in sorted(self.samples[p])]
+        cancelled = self.cancelled[p]
+        return ProblemResult(
+            index=p,
+            vote=vote,
+            samples=done,
+            num_aborted=len(cancelled),
+            aborted_tokens=sum(cancelled),
+            est_tokens_saved=_tokens_saved([s.num_tokens for s in done], cancelled, self.max_tokens),
+            stopped_early=p in self.planner.stopped,
+            weights=weights,
+            waves=self.planner.waves_started(p),
+            num_sent=self.n - self.planner.num_unsent(p),
+            stopped_after=self.last_look[p][0] if p in self.planner.stopped else None,
+        )
+
+    def run(self, wall: float, steps: int = 0, inflight_sum: int = 0) -> SelfConsistencyRun:
+        results = [self.result(p) for p in range(len(self.samples))]
+        cap = self.schedule.capacity
+        mean_inflight = inflight_sum / steps if steps else 0.0
+        config = dict(n=self.n, schedule=self.schedule.describe(), capacity=cap,
+                      stop_rule=self.stop_rule.describe() if self.stop_rule else "off",
+                      weighted=self.voting.weighted, weight_method=self.voting.weight_method,
+                      max_tokens=self.max_tokens)
+        return SelfConsistencyRun(results, None, wall, config, engine_steps=steps,
+                                  mean_inflight=mean_inflight,
+                                  batch_fill=mean_inflight / cap if cap else None)
+
+
 def run_paths(
     engine,
     prompts: Sequence[Any],
@@ -198,106 +323,48 @@ def run_paths(
     problem as soon as its vote is final.  Returns the run without
     spec-decode stats (the caller reads those from vLLM).
     """
-    voting = voting or Voting()
-    schedule = resolve_schedule(schedule, stop_rule)
-    if stop_rule is not None and voting.weighted:
-        raise ValueError("stop rules count unweighted votes: early stop needs Voting(weighted=False)")
+    schedule, voting = check_run_options(schedule, stop_rule, voting)
     if engine.has_unfinished_requests():
         raise RuntimeError("self_consistency needs an idle engine")
-    num = len(prompts)
-    samples: dict[int, dict[int, Sample]] = {i: {} for i in range(num)}
-
-    def vote_of(p: int) -> tuple[VoteResult, list[float] | None]:
-        done = [samples[p][k] for k in sorted(samples[p])]
-        weights = None
-        if voting.weighted:  # a zero-token path has no mean logprob: weight 0
-            lps = [-math.inf if s.mean_logprob is None else s.mean_logprob for s in done]
-            weights = logprob_weights(lps, voting.weight_method)
-        return majority_vote([s.answer for s in done], weights, voting.timeout_s), weights
-
-    def stop_check(_p: int, answers: list, remaining: int) -> bool:
-        return rule_says_stop(answers, remaining, stop_rule, timeout_s=voting.timeout_s)
-
-    planner = PathPlanner(num, n, schedule, stop_check if stop_rule is not None else None)
+    book = PathBook(len(prompts), n, schedule, stop_rule, voting, max_tokens)
+    planner = book.planner
     run_id = uuid.uuid4().hex[:8]
     rid = lambda p, k: f"sc{run_id}-{p}-{k}"  # noqa: E731
     ids: dict[str, tuple[int, int]] = {}
-    accs: dict[tuple[int, int], _Accumulator] = {}  # running paths
-    cancelled: dict[int, list[int]] = {i: [] for i in range(num)}  # tokens done per cancelled path
     steps = inflight_sum = 0
     pin = request_pinning(engine)  # a DP rank per prompt where the engine takes one
 
     def submit(paths: list[tuple[int, int]]) -> None:
         for p, k in paths:
             ids[rid(p, k)] = (p, k)
-            accs[(p, k)] = _Accumulator()
             prompt = render(prompts[p]) if render is not None else prompts[p]
             engine.add_request(rid(p, k), prompt, make_params(p, k), arrival_time=time.time(),
                                **pin(prompts[p]))
 
-    def abort(paths: list[tuple[int, int]]) -> None:
-        if not paths:
-            return
-        engine.abort_request([rid(p, k) for p, k in paths])
-        for p, k in paths:
-            cancelled[p].append(accs.pop((p, k)).num_tokens)
-
     t0 = time.perf_counter()
     try:
-        submit(planner.admit())
+        submit(book.admit())
         while engine.has_unfinished_requests():
             steps += 1
             inflight_sum += planner.num_inflight
             finished = []
             for out in engine.step():  # count every token before aborting any
                 key = ids.get(out.request_id)
-                if key is None or key not in accs:
-                    continue  # not ours, or already aborted
-                accs[key].update(out.outputs[0], delta)
-                if out.finished:
+                if key is not None and book.update(key, out.outputs[0], delta) and out.finished:
                     finished.append(key)
             for key in finished:
-                if key not in accs:
+                if key not in book.accs:
                     continue  # aborted by an earlier finish in this step
-                p, k = key
-                acc = accs.pop(key)
-                samples[p][k] = Sample(k, acc.text, voting.extract(acc.text), acc.num_tokens,
-                                       acc.cumulative_logprob, acc.finish_reason)
-                to_submit, to_abort = planner.on_finish(p, k, samples[p][k].answer)
-                abort(to_abort)
-                if p in planner.stopped:  # just now: never-sent paths are cancelled at 0 tokens
-                    cancelled[p] += [0] * planner.num_unsent(p)
+                to_submit, to_abort = book.finish(key)
+                if to_abort:
+                    engine.abort_request([rid(p, k) for p, k in to_abort])
                 submit(to_submit)
-                if on_problem_done is not None and planner.done(p):
-                    on_problem_done(p)
+                if on_problem_done is not None and book.done(key[0]):
+                    on_problem_done(key[0])
             if not engine.has_unfinished_requests():
-                submit(planner.admit())
+                submit(book.admit())
     except BaseException:
-        if accs:  # leave the engine idle for the caller
-            engine.abort_request([rid(p, k) for p, k in accs])
+        if book.accs:  # leave the engine idle for the caller
+            engine.abort_request([rid(p, k) for p, k in book.accs])
         raise
-    wall = time.perf_counter() - t0
-
-    results = []
-    for p in range(num):
-        vote, weights = vote_of(p)
-        done = [samples[p][k] for k in sorted(samples[p])]
-        results.append(ProblemResult(
-            index=p,
-            vote=vote,
-            samples=done,
-            num_aborted=len(cancelled[p]),
-            aborted_tokens=sum(cancelled[p]),
-            est_tokens_saved=_tokens_saved([s.num_tokens for s in done], cancelled[p], max_tokens),
-            stopped_early=p in planner.stopped,
-            weights=weights,
-            waves=planner.waves_started(p),
-        ))
-    cap = schedule.capacity
-    mean_inflight = inflight_sum / steps if steps else 0.0
-    config = dict(n=n, schedule=schedule.describe(), capacity=cap,
-                  stop_rule=stop_rule.describe() if stop_rule else "off",
-                  weighted=voting.weighted, weight_method=voting.weight_method, max_tokens=max_tokens)
-    return SelfConsistencyRun(results, None, wall, config, engine_steps=steps,
-                              mean_inflight=mean_inflight,
-                              batch_fill=mean_inflight / cap if cap else None)
+    return book.run(time.perf_counter() - t0, steps, inflight_sum)

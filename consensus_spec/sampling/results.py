@@ -55,6 +55,8 @@ class ProblemResult:
     stopped_early: bool = False
     weights: list[float] | None = None  # vote weights, if weighted
     waves: int = 0  # waves of this problem that were started
+    num_sent: int = 0  # paths submitted to the engine (finished, or aborted while running)
+    stopped_after: int | None = None  # paths in the vote that stopped the problem
 
     @property
     def answer(self) -> str | None:

@@ -174,10 +174,14 @@ class PathPlanner:
     opened early and finishing first does not bias that vote to its short
     paths), or after every path with ``check="path"``; a stopped problem
     opens no more waves and its running paths are returned to abort.
+    ``idle_rows()`` (optional) says how many engine rows sit idle when the
+    engine is shared with other runs (a server): idle fill then opens waves
+    only for those, not for all of this run's free capacity.
     """
 
     def __init__(self, num_problems: int, n: int, schedule: Schedule | None = None,
-                 stop_check: StopCheck | None = None):
+                 stop_check: StopCheck | None = None,
+                 idle_rows: Callable[[], int] | None = None):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be an int >= 1, got {n!r}")
         if num_problems < 0:
@@ -186,6 +190,7 @@ class PathPlanner:
         self.schedule = schedule or ALL_AT_ONCE
         self.capacity = self.schedule.capacity
         self.stop_check = stop_check
+        self.idle_rows = idle_rows  # None: rows this run's capacity leaves free are idle
         self.sizes = self.schedule.sizes(n)
         self.ends = list(itertools.accumulate(self.sizes))  # one past each wave's last path
         self.problems: dict[int, _Problem] = {}
@@ -210,14 +215,23 @@ class PathPlanner:
             out += self._send(p, st, self._free())
             if st.next_path < st.opened:
                 heapq.heappush(self._ready, p)
-        if self.schedule.fill_idle and self.capacity is not None \
-                and self.next_problem == self.num_problems:  # unbounded: no rows idle
+        if not (self.schedule.fill_idle and self.capacity is not None
+                and self.next_problem == self.num_problems):  # unbounded: no rows idle
+            return out
+        if self.idle_rows is None:
             while self._free() > 0 and self._unopened:
                 for p in list(self._unopened):  # one wave each, oldest first
                     if self._free() <= 0:
                         break
                     self._open_next(p)
                 out += self._send_ready()
+        else:  # an engine shared with other runs: only rows idle engine-wide, one pass
+            spare = min(self._free(), self.idle_rows() - len(out))
+            for p in list(self._unopened):
+                if spare <= 0:
+                    break
+                spare -= self._open_next(p)
+            out += self._send_ready()
         return out
 
     def on_finish(self, p: int, path: int, answer: Any) -> tuple[list, list]:
@@ -261,15 +275,17 @@ class PathPlanner:
                 return True
         return False
 
-    def _open_next(self, p: int) -> None:
+    def _open_next(self, p: int) -> int:
+        """Open problem ``p``'s next wave; returns its size (0: none left)."""
         st = self.problems[p]
         if st.wave + 1 >= len(self.sizes):
-            return
+            return 0
         st.wave += 1
         st.opened += self.sizes[st.wave]
         heapq.heappush(self._ready, p)
         if st.wave + 1 >= len(self.sizes):
             self._unopened.pop(p, None)
+        return self.sizes[st.wave]
 
     def _send_ready(self) -> list[tuple[int, int]]:
         out: list[tuple[int, int]] = []

@@ -341,6 +341,11 @@ def applies_here() -> bool:
 def register() -> list[str]:
     """vLLM general-plugin hook: probe each bug and fix those present.
     Idempotent; never raises. Returns the names of the fixes applied so far."""
+    try:  # an API server without the self-consistency endpoint says how to turn it on
+        from ..server.endpoint import startup_check
+        startup_check()
+    except Exception as e:  # noqa: BLE001 - a log line is not worth failing start-up for
+        logger.debug("consensus_spec: endpoint start-up check failed: %s", e)
     try:
         if not applies_here():
             return sorted(_applied)

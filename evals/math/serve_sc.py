@@ -1,0 +1,227 @@
+"""``python -m evals serve-sc``: self-consistency through a vLLM server, four ways.
+
+Concurrent clients (closed loop: each sends its next problem when its answer
+is back) ask for the voted answer of the embedded model's test problems:
+
+- ``endpoint``: ``POST /v1/self_consistency`` (early stop: the library's
+  default rule, waves of 2) on a server with consensus drafting;
+- ``endpoint-full``: the same endpoint without early stopping (all n paths);
+- ``client``: what users do today, ``n`` paths in one ``/v1/completions``
+  request and a client-side vote (the library's extraction and vote), on a
+  server with consensus drafting;
+- ``client-nospec``: the same client on a server without speculative decoding.
+
+One server per configuration per run, configurations in alternating order
+across runs, each at every ``--concurrency`` (one that fills the batch and
+one that does not).  Every request is seeded (problem i: ``seed + i * 64``)
+so ``endpoint`` and ``endpoint-full`` sample the same paths: the full-n vote
+of ``endpoint-full`` is the endpoint's own paths replayed to n, and their
+agreement is reported.  Per configuration and concurrency: answers/s, tokens
+per answer, p50/p95 latency per answer, gold accuracy, and the server's
+process-tree CPU seconds beside the wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+
+CONFIGS = ("endpoint", "endpoint-full", "client", "client-nospec")
+PLUGINS = "consensus_spec_vllm_cpu_fixes,consensus_spec_self_consistency"
+SERVED = "consensus-tiny"
+
+
+def server_args(model: str, spec: bool, max_num_seqs: int, max_model_len: int) -> list[str]:
+    args = ["--model", model, "--served-model-name", SERVED, "--max-model-len", str(max_model_len),
+            "--max-num-seqs", str(max_num_seqs), "--gpu-memory-utilization", "0.1",
+            "--dtype", "float32", "--enforce-eager", "--seed", "0"]
+    if spec:
+        args += ["--speculative-config", json.dumps({
+            "method": "custom_class", "model": "consensus_spec.ConsensusProposer",
+            "num_speculative_tokens": 8})]
+    return args
+
+
+def ask(base_url: str, config: str, prob: dict, args) -> dict:
+    """One problem, one answer; latency, tokens and the answer (never raises)."""
+    import requests
+
+    from consensus_spec.voting.answers import extract_answer
+    from consensus_spec.voting.vote import majority_vote
+
+    t0 = time.monotonic()
+    try:
+        if config.startswith("endpoint"):
+            body = {"model": SERVED, "prompt": prob["prompt"], "n": args.n, "temperature": 0.8,
+                    "max_tokens": args.max_tokens, "seed": prob["seed"],
+                    "early_stop": config == "endpoint"}
+            r = requests.post(base_url + "/v1/self_consistency", json=body, timeout=args.timeout)
+            r.raise_for_status()
+            out = r.json()
+            answer, tokens = out["answer"], out["tokens"]
+            paths = out["paths_sampled"]
+        else:
+            body = {"model": SERVED, "prompt": prob["prompt"], "n": args.n, "temperature": 0.8,
+                    "max_tokens": args.max_tokens, "seed": prob["seed"]}
+            r = requests.post(base_url + "/v1/completions", json=body, timeout=args.timeout)
+            r.raise_for_status()
+            out = r.json()
+            answer = majority_vote([extract_answer(c["text"]) for c in out["choices"]]).answer
+            tokens, paths = out["usage"]["completion_tokens"], len(out["choices"])
+        return {"ok": True, "i": prob["i"], "s": time.monotonic() - t0, "answer": answer,
+                "tokens": tokens, "paths": paths}
+    except Exception as e:  # noqa: BLE001 - counted as a failure in the table
+        return {"ok": False, "i": prob["i"], "s": time.monotonic() - t0, "error": repr(e)[:300]}
+
+
+def run_config(config: str, args, probs: list[dict], log_dir: Path, run: int) -> dict:
+    """One server for ``config``: a warm-up request, then every concurrency."""
+    from consensus_spec.model import model_path
+
+    from .servers import VllmServer
+
+    spec = config != "client-nospec"
+    env = {"VLLM_PLUGINS": PLUGINS} if config.startswith("endpoint") else {}
+    out = {}
+    with VllmServer(server_args(model_path(), spec, args.max_num_seqs, args.max_model_len),
+                    log_dir / f"run{run}_{config}.log", env) as server:
+        server.wait_ready()
+        ask(server.base_url, config, {**probs[0], "i": -1}, args)  # warm-up, not timed
+        for conc in args.concurrency:
+            cpu0, wall0, proc0 = server.cpu_s(), time.monotonic(), time.process_time()
+            with cf.ThreadPoolExecutor(conc) as pool:
+                records = list(pool.map(lambda p: ask(server.base_url, config, p, args), probs))
+            wall = time.monotonic() - wall0
+            out[conc] = {"records": records, "wall_s": wall, "server_cpu_s": server.cpu_s() - cpu0,
+                         "client_cpu_s": time.process_time() - proc0}
+            print(f"  run {run} {config:14s} concurrency {conc:3d}: {len(probs) / wall:6.3f} "
+                  f"answers/s, wall {wall:6.1f} s, server CPU {out[conc]['server_cpu_s']:6.1f} s",
+                  flush=True)
+    return out
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
+
+
+def _same(a, b) -> bool:
+    from consensus_spec.voting.vote import cluster_answers
+
+    if a is None or b is None:
+        return a is None and b is None
+    ids = cluster_answers([str(a), str(b)])
+    return ids[0] is not None and ids[0] == ids[1]
+
+
+def summarize(runs: list[dict], probs: list[dict], args) -> dict:
+    """Per configuration and concurrency: means over runs and their spread."""
+    table = {}
+    for config in args.configs:
+        for conc in args.concurrency:
+            cells = [r[config][conc] for r in runs if config in r]
+            ok = [[x for x in c["records"] if x["ok"]] for c in cells]
+            rates = [len(o) / c["wall_s"] for o, c in zip(ok, cells)]
+            lat = [x["s"] for o in ok for x in o]
+            answers = sum(len(o) for o in ok)
+            correct = sum(_same(x["answer"], probs[x["i"]]["gold"]) for o in ok for x in o)
+            acc = correct / answers if answers else 0.0
+            table[(config, conc)] = {
+                "config": config, "concurrency": conc, "runs": len(cells),
+                "failed": sum(len(c["records"]) for c in cells) - answers,
+                "answers_per_s": statistics.fmean(rates) if rates else 0.0,
+                "answers_per_s_range": [min(rates), max(rates)] if rates else None,
+                "tokens_per_answer": sum(x["tokens"] for o in ok for x in o) / max(1, answers),
+                "paths_per_answer": sum(x["paths"] for o in ok for x in o) / max(1, answers),
+                "p50_s": _pct(lat, 0.5) if lat else None, "p95_s": _pct(lat, 0.95) if lat else None,
+                "gold_accuracy": acc, "accuracy_se": math.sqrt(acc * (1 - acc) / max(1, answers)),
+                "server_cpu_s_per_answer": sum(c["server_cpu_s"] for c in cells) / max(1, answers),
+                "wall_s": [round(c["wall_s"], 1) for c in cells],
+                "client_cpu_s": [round(c["client_cpu_s"], 1) for c in cells],
+            }
+    for conc in args.concurrency:  # the endpoint's answer vs the full-n vote of the same paths
+        pairs = [(a, b) for r in runs if "endpoint" in r and "endpoint-full" in r
+                 for a, b in zip(r["endpoint"][conc]["records"], r["endpoint-full"][conc]["records"])
+                 if a["ok"] and b["ok"]]
+        if pairs and ("endpoint", conc) in table:
+            table[("endpoint", conc)]["agreement_with_full_n"] = \
+                sum(_same(a["answer"], b["answer"]) for a, b in pairs) / len(pairs)
+            table[("endpoint", conc)]["agreement_pairs"] = len(pairs)
+        base = table.get(("client-nospec", conc))
+        for config in args.configs:
+            row = table[(config, conc)]
+            if base and base["answers_per_s"]:
+                row["x_answers_per_s_vs_client_nospec"] = row["answers_per_s"] / base["answers_per_s"]
+                row["x_p95_vs_client_nospec"] = row["p95_s"] / base["p95_s"] if base["p95_s"] else None
+    return table
+
+
+def markdown(table: dict, args) -> str:
+    lines = [f"n={args.n}, {args.problems} problems, max_tokens {args.max_tokens}, "
+             f"max_num_seqs {args.max_num_seqs}, runs {args.runs} (order alternated)", "",
+             "| config | conc | answers/s (range) | x vs client-nospec | tokens/answer | paths/answer "
+             "| p50 s | p95 s | x p95 | gold acc (±SE) | agree full-n | server CPU s/answer | fails |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (config, conc), r in table.items():
+        rng = r["answers_per_s_range"] or [0, 0]
+        agree = r.get("agreement_with_full_n")
+        agree_text = "-" if agree is None else f"{agree:.3f} of {r['agreement_pairs']}"
+        lines.append(
+            f"| {config} | {conc} | {r['answers_per_s']:.3f} ({rng[0]:.3f}-{rng[1]:.3f}) "
+            f"| {r.get('x_answers_per_s_vs_client_nospec', float('nan')):.2f} "
+            f"| {r['tokens_per_answer']:.0f} | {r['paths_per_answer']:.1f} | {r['p50_s']:.2f} "
+            f"| {r['p95_s']:.2f} | {(r.get('x_p95_vs_client_nospec') or float('nan')):.2f} "
+            f"| {r['gold_accuracy']:.3f} (±{r['accuracy_se']:.3f}) "
+            f"| {agree_text} "
+            f"| {r['server_cpu_s_per_answer']:.2f} | {r['failed']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m evals serve-sc", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--problems", type=int, default=24, help="test problems per concurrency level")
+    ap.add_argument("--n", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--concurrency", default="1,8", help="comma list; 8 x n=16 fills 32 rows")
+    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--seed", type=int, default=1000)
+    ap.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    ap.add_argument("--out", type=Path, help="JSON of every request and the table")
+    ap.add_argument("--log-dir", type=Path, default=Path("/tmp/serve_sc_logs"))
+    args = ap.parse_args(argv)
+    args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    bad = [c for c in args.configs if c not in CONFIGS]
+    if bad or not args.concurrency or min(args.concurrency) < 1 or args.problems < 1 \
+            or args.n < 1 or args.n > 64 or args.runs < 1:
+        ap.error(f"configs from {CONFIGS}; concurrency, problems, runs >= 1; 1 <= n <= 64"
+                 + (f" (unknown: {bad})" if bad else ""))
+    from consensus_spec.model.synthetic import format_prompt, test_set
+
+    probs = [{"i": i, "prompt": format_prompt(p["question"]), "gold": p["answer"],
+              "seed": args.seed + i * 64} for i, p in enumerate(test_set(args.problems))]
+    print(f"serve-sc: configs {args.configs}, concurrency {args.concurrency}, "
+          f"{args.problems} problems, n {args.n}, {args.runs} run(s); cpus {os.cpu_count()}")
+    runs = []
+    for run in range(args.runs):
+        order = args.configs if run % 2 == 0 else args.configs[::-1]
+        runs.append({config: run_config(config, args, probs, args.log_dir, run) for config in order})
+    table = summarize(runs, probs, args)
+    print(markdown(table, args))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v)
+                                                 for k, v in vars(args).items()},
+                                        "table": list(table.values()),
+                                        "runs": [{c: {str(k): v for k, v in r[c].items()} for c in r}
+                                                 for r in runs]}, indent=1))
+    return 0 if all(r["failed"] == 0 for r in table.values()) else 1

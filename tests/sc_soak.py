@@ -1,0 +1,290 @@
+"""``POST /v1/self_consistency`` on a real vLLM OpenAI server: helpers and a soak.
+
+    python -m tests.sc_soak [--requests 1000] [--threads 8] [--out results/sc_soak.json]
+
+Starts the API server on the embedded model with consensus drafting and the
+endpoint plugin (``VLLM_PLUGINS`` naming both of this package's plugins),
+through :mod:`tests.server_soak`'s ``Server`` (own process group, always
+stopped).  The soak sends ``--requests`` requests from ``--threads``
+threads, mixing well-formed ones (single prompts, lists, chat messages,
+streams), malformed ones (every kind of :func:`malformed_bodies`) and
+clients that hang up mid-run; then, one at a time, ``--serial-disconnects``
+hang-ups each followed by a check that the engine runs nothing.  It counts:
+well-formed answered, malformed answered 4xx, the endpoint's live runs and
+in-flight paths and the engine's running/waiting requests at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import random
+import re
+import socket
+import sys
+import time
+from pathlib import Path
+
+from tests import server_soak
+from tests.server_soak import SERVED_NAME, Server
+
+PLUGINS = "consensus_spec_vllm_cpu_fixes,consensus_spec_self_consistency"
+ROUTE = "/v1/self_consistency"
+TIMEOUT_S = 180.0
+
+
+def start_server(log_dir: Path, env: dict | None = None, spec: bool = True,
+                 extra: list[str] | None = None) -> Server:
+    port = server_soak.free_port()
+    cmd = server_soak.server_command(server_soak.model_path(), port, spec=spec, extra=extra)
+    server = Server("sc", cmd, port, Path(log_dir) / "sc_server.log",
+                    env={"VLLM_PLUGINS": PLUGINS, **(env or {})})
+    return server.start()
+
+
+def post(base_url: str, body, timeout: float = TIMEOUT_S, raw: bool = False):
+    import requests
+
+    if raw:
+        return requests.post(base_url + ROUTE, data=body,
+                             headers={"Content-Type": "application/json"}, timeout=timeout)
+    return requests.post(base_url + ROUTE, json=body, timeout=timeout)
+
+
+def endpoint_state(base_url: str) -> dict:
+    import requests
+
+    return requests.get(base_url + ROUTE + "/state", timeout=10).json()
+
+
+def engine_gauges(base_url: str) -> dict:
+    """vLLM's running and waiting request gauges (summed over engines)."""
+    import requests
+
+    text = requests.get(base_url + "/metrics", timeout=10).text
+    out = {"running": 0.0, "waiting": 0.0}
+    for line in text.splitlines():
+        m = re.match(r"^vllm:num_requests_(running|waiting)(\{[^}]*\})?\s+(\S+)$", line)
+        if m:
+            out[m.group(1)] += float(m.group(3))
+    return out
+
+
+def wait_idle(base_url: str, timeout: float = 20.0) -> dict:
+    """Poll until the engine runs and queues nothing and the endpoint holds no
+    run; returns the last reading with ``idle`` and ``waited_s``."""
+    t0 = time.monotonic()
+    while True:
+        g, s = engine_gauges(base_url), endpoint_state(base_url)
+        idle = g["running"] == 0 and g["waiting"] == 0 and s["requests_active"] == 0 \
+            and s["paths_in_flight"] == 0
+        if idle or time.monotonic() - t0 > timeout:
+            return {**g, **{k: s[k] for k in ("requests_active", "paths_in_flight")},
+                    "idle": idle, "waited_s": round(time.monotonic() - t0, 2)}
+        time.sleep(0.25)
+
+
+def hang_up(base_url: str, body: dict, after_s: float) -> None:
+    """A client that sends a request and closes the connection after ``after_s``."""
+    host, port = base_url.split("//")[1].split(":")
+    data = json.dumps(body).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST " + ROUTE.encode() + b" HTTP/1.1\r\nHost: x\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: "
+                  + str(len(data)).encode() + b"\r\n\r\n" + data)
+        time.sleep(after_s)
+
+
+def problems(count: int, seed: int = 1234) -> list[dict]:
+    from consensus_spec.model.synthetic import format_prompt, test_set
+
+    return [{"prompt": format_prompt(p["question"]), "question": p["question"], "gold": p["answer"]}
+            for p in test_set(count, seed=seed)]
+
+
+def good_body(i: int, probs: list[dict], rng: random.Random) -> dict:
+    """Well-formed requests of every shape: single, list, chat, stream, seeded."""
+    p = probs[i % len(probs)]
+    body = {"model": SERVED_NAME, "prompt": p["prompt"], "n": rng.choice((4, 6, 8)),
+            "max_tokens": 80, "seed": rng.randrange(2**20)}
+    kind = i % 6
+    if kind == 1:
+        body["prompt"] = [q["prompt"] for q in probs[i % len(probs):][:3]] or [p["prompt"]]
+    elif kind == 2:
+        del body["prompt"]
+        body["messages"] = [{"role": "user", "content": p["question"]}]
+    elif kind == 3:
+        body["stream"] = True
+    elif kind == 4:
+        body.update(early_stop=False, return_paths=True)
+    elif kind == 5:
+        body.update(early_stop={"kind": "margin", "margin": 2}, schedule="2,2,rest")
+    return body
+
+
+def malformed_bodies(model: str = SERVED_NAME) -> dict[str, tuple]:
+    """name -> (body (dict, or bytes sent raw), the field the error must name, status)."""
+    ok = {"model": model, "prompt": "Question: Mia has 3 apples. How many apples does Mia have?\n"
+                                    "Answer:", "n": 4, "max_tokens": 16}
+    too_long = "Question: " + " ".join("1 2 3 4 5 6 7 8 9" for _ in range(80)) + "\nAnswer:"
+    return {
+        "unknown_key": ({**ok, "best_of": 3}, "best_of", 400),
+        "n_zero": ({**ok, "n": 0}, "n", 400),
+        "n_past_limit": ({**ok, "n": 100_000}, "n", 400),
+        "n_string": ({**ok, "n": "eight"}, "n", 400),
+        "n_float": ({**ok, "n": 4.5}, "n", 400),
+        "temperature_negative": ({**ok, "temperature": -1}, "temperature", 400),
+        "top_p_2": ({**ok, "top_p": 2.0}, "top_p", 400),
+        "max_tokens_zero": ({**ok, "max_tokens": 0}, "max_tokens", 400),
+        "max_tokens_past_context": ({**ok, "max_tokens": 100_000}, "max_tokens", 400),
+        "prompt_too_long": ({**ok, "prompt": too_long, "max_tokens": None}, "prompt", 400),
+        "prompt_missing": ({"model": model, "n": 4}, "prompt", 400),
+        "prompt_and_messages": ({**ok, "messages": [{"role": "user", "content": "x"}]}, "prompt", 400),
+        "prompt_list_with_int": ({**ok, "prompt": ["a", 3]}, "prompt.1", 400),
+        "too_many_prompts": ({**ok, "prompt": ["a"] * 1000}, "prompt", 400),
+        "messages_bad_role": ({"model": model, "messages": [{"role": "robot", "content": "x"}]},
+                              "messages.0.role", 400),
+        "early_stop_unknown_kind": ({**ok, "early_stop": "sometimes"}, "early_stop", 400),
+        "early_stop_bad_error": ({**ok, "early_stop": {"kind": "sequential", "error": 3}},
+                                 "early_stop", 400),
+        "early_stop_unknown_field": ({**ok, "early_stop": {"alpha": 1}}, "early_stop.alpha", 400),
+        "schedule_unparseable": ({**ok, "schedule": "two,then,rest"}, "schedule", 400),
+        "weighted_with_early_stop": ({**ok, "voting": {"weighted": True}}, "voting.weighted", 400),
+        "vote_timeout_huge": ({**ok, "voting": {"timeout_s": 1e9}}, "voting.timeout_s", 400),
+        "seed_negative": ({**ok, "seed": -3}, "seed", 400),
+        "stop_empty": ({**ok, "stop": [""]}, "stop", 400),
+        "unknown_model": ({**ok, "model": "no-such-model"}, "model", 404),
+        "non_json": (b"{this is not json", "body", 400),
+        "empty_body": (b"", "body", 400),
+        "json_array_body": (b"[1, 2, 3]", "body", 400),
+    }
+
+
+def send_malformed(base_url: str, name: str, spec: tuple) -> dict:
+    body, field, status = spec
+    try:
+        r = post(base_url, body, timeout=60, raw=isinstance(body, bytes))
+        error = r.json().get("error", {}) if r.headers.get("content-type", "").startswith(
+            "application/json") else {}
+        ok = r.status_code == status and error.get("param") == field and field in error.get("message", "")
+        return {"name": name, "status": r.status_code, "ok": ok, "error": error}
+    except Exception as e:  # noqa: BLE001 - recorded
+        return {"name": name, "status": None, "ok": False, "error": f"{type(e).__name__}: {e}"}
+
+
+def read_stream(r) -> list:
+    events = []
+    for line in r.iter_lines(decode_unicode=True):
+        if line and line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def send_good(base_url: str, body: dict) -> dict:
+    t0 = time.monotonic()
+    try:
+        if body.get("stream"):
+            import requests
+            with requests.post(base_url + ROUTE, json=body, stream=True, timeout=TIMEOUT_S) as r:
+                events = read_stream(r) if r.status_code == 200 else []
+                final = events[-2] if len(events) >= 2 and events[-1] == "[DONE]" else {}
+                status = r.status_code
+        else:
+            r = post(base_url, body)
+            status, final = r.status_code, r.json()
+        count = len(body["prompt"]) if isinstance(body.get("prompt"), list) else 1
+        answers = [x.get("answer") for x in final.get("results", [final])] if final else []
+        ok = status == 200 and len(answers) == count and "agreement" in (final.get("results") or [final])[0]
+        return {"ok": ok, "status": status, "s": time.monotonic() - t0,
+                "tokens": final.get("usage", {}).get("completion_tokens")}
+    except Exception as e:  # noqa: BLE001 - recorded
+        return {"ok": False, "status": None, "error": f"{type(e).__name__}: {e}"[:300]}
+
+
+def soak(base_url: str, requests_: int, threads: int, malformed_every: int = 5,
+         disconnect_every: int = 7, serial_disconnects: int = 3, seed: int = 0) -> dict:
+    """The mixed soak against a running server (see the module docstring)."""
+    rng = random.Random(seed)
+    probs = problems(64)
+    bad = malformed_bodies()
+    bad_names = sorted(bad)
+    plan = []
+    for i in range(requests_):
+        if i % malformed_every == malformed_every - 1:
+            plan.append(("bad", bad_names[(i // malformed_every) % len(bad_names)]))
+        elif i % disconnect_every == disconnect_every - 1:
+            plan.append(("hangup", {**good_body(i, probs, rng), "early_stop": False, "n": 8,
+                                    "max_tokens": 200}))
+        else:
+            plan.append(("good", good_body(i, probs, rng)))
+
+    def one(item):
+        kind, x = item
+        if kind == "bad":
+            return kind, send_malformed(base_url, x, bad[x])
+        if kind == "hangup":
+            hang_up(base_url, x, after_s=rng.uniform(0.05, 1.0))
+            return kind, {"ok": True}
+        return kind, send_good(base_url, x)
+
+    t0 = time.monotonic()
+    with cf.ThreadPoolExecutor(threads) as pool:
+        results = list(pool.map(one, plan))
+    wall = time.monotonic() - t0
+    after_mix = wait_idle(base_url)
+    serial = []
+    for i in range(serial_disconnects):
+        body = {**good_body(i, probs, rng), "early_stop": False, "n": 8, "max_tokens": 200,
+                "stream": False}
+        body.pop("messages", None)
+        body["prompt"] = probs[i]["prompt"]
+        hang_up(base_url, body, after_s=1.5)
+        serial.append(wait_idle(base_url))
+    good = [r for k, r in results if k == "good"]
+    malformed = [r for k, r in results if k == "bad"]
+    return {
+        "requests": requests_, "threads": threads, "wall_s": round(wall, 1),
+        "good": len(good), "good_ok": sum(r["ok"] for r in good),
+        "good_failures": [r for r in good if not r["ok"]][:5],
+        "malformed": len(malformed), "malformed_ok": sum(r["ok"] for r in malformed),
+        "malformed_statuses": sorted({(r["name"], r["status"]) for r in malformed}),
+        "malformed_failures": [r for r in malformed if not r["ok"]][:5],
+        "hangups": sum(k == "hangup" for k, _ in results),
+        "after_mix": after_mix, "serial_disconnects": serial,
+        "state_at_end": endpoint_state(base_url),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.sc_soak", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--serial-disconnects", type=int, default=5)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--log-dir", type=Path, default=Path("/tmp/sc_soak"))
+    args = ap.parse_args(argv)
+    server = start_server(args.log_dir)
+    try:
+        server.wait_ready()
+        rss_before = server_soak.tree_rss_mb(server.proc.pid)[0]
+        report = soak(server.base_url, args.requests, args.threads,
+                      serial_disconnects=args.serial_disconnects)
+        report["rss_mb"] = {"before": round(rss_before), "after": round(server_soak.tree_rss_mb(
+            server.proc.pid)[0])}
+        report["alive_at_end"] = server.alive() and server.health() == 200
+    finally:
+        server.stop()
+    text = json.dumps(report, indent=1, default=str)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    ok = report["good_ok"] == report["good"] and report["malformed_ok"] == report["malformed"] \
+        and report["after_mix"]["idle"] and all(s["idle"] for s in report["serial_disconnects"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""``POST /v1/self_consistency`` over HTTP on a real vLLM server (the
+embedded model, consensus drafting on, the endpoint plugin loaded through
+``VLLM_PLUGINS``), started once for the module and always stopped.
+
+Answers, list prompts, chat messages, early stop with aborts, streaming,
+every kind of malformed request (a 4xx naming the field), clients that hang
+up (nothing left running in the engine), the per-request in-flight bound,
+and a short mixed soak (``python -m tests.sc_soak`` runs the long one)."""
+
+import importlib.util
+import json
+import logging
+import sys
+import threading
+import time
+
+import pytest
+import requests
+
+assert importlib.util.find_spec("vllm") is not None, "vLLM (a declared dependency) is not installed"
+
+from tests import sc_soak, server_soak  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+MAX_INFLIGHT = 6  # CONSENSUS_SPEC_SC_MAX_INFLIGHT for this server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("sc_server")
+    srv = sc_soak.start_server(log_dir, env={"CONSENSUS_SPEC_SC_MAX_INFLIGHT": str(MAX_INFLIGHT),
+                                             "CONSENSUS_SPEC_SC_MAX_N": "32"})
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+        assert server_soak.process_group(srv.proc.pid) == [], "server left processes behind"
+
+
+@pytest.fixture(scope="module")
+def probs():
+    return sc_soak.problems(8)
+
+
+def test_plugin_loaded_and_said_so(server):
+    log = server.log_text()
+    assert "Loaded endpoint plugin consensus_spec_self_consistency" in log
+    assert f"consensus_spec: POST /v1/self_consistency served (max n 32, 64 problems a request, " \
+           f"{MAX_INFLIGHT} paths in flight a request)" in log
+    assert "is off" not in log and "are not loaded" not in log
+
+
+def test_single_prompt_answer_agreement_and_paths(server, probs):
+    r = sc_soak.post(server.base_url, {"prompt": probs[0]["prompt"], "n": 8, "max_tokens": 96,
+                                       "seed": 1, "return_paths": True, "early_stop": False})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == "self_consistency" and out["model"] == server_soak.SERVED_NAME
+    assert out["early_stop"] == "off" and out["stop_reason"] == "early stop off: all 8 paths"
+    assert out["paths_sampled"] == out["paths_finished"] == 8 and out["paths_stopped"] == 0
+    assert len(out["paths"]) == 8 and all(p["finish_reason"] in ("stop", "length") for p in out["paths"])
+    answers = [p["answer"] for p in out["paths"]]
+    assert out["answer"] is not None and out["count"] == answers.count(out["answer"])
+    assert out["agreement"] == pytest.approx(out["count"] / sum(a is not None for a in answers), abs=1e-6)
+    assert sum(v["count"] for v in out["votes"]) + out["abstained"] == 8
+    assert out["tokens"] == sum(p["tokens"] for p in out["paths"]) == out["usage"]["completion_tokens"]
+    # the model mostly solves its own test problems; at least its vote is one of its paths
+    assert str(out["answer"]) in {str(a) for a in answers}
+
+
+def test_greedy_requests_repeat(server, probs):
+    # seeded sampling did not repeat across requests on this CPU build with drafting: greedy here
+    body = {"prompt": probs[1]["prompt"], "n": 6, "max_tokens": 96, "temperature": 0.0,
+            "early_stop": False, "return_paths": True}
+    a, b = (sc_soak.post(server.base_url, body).json() for _ in range(2))
+    assert [p["text"] for p in a["paths"]] == [p["text"] for p in b["paths"]]
+    assert a["answer"] == b["answer"]
+
+
+def test_early_stop_samples_fewer_paths_and_aborts(server, probs):
+    """A problem the model agrees on stops after a few waves of 2; a list of
+    problems comes back in order, each with its own vote."""
+    body = {"prompt": [p["prompt"] for p in probs[:6]], "n": 16, "max_tokens": 96, "seed": 3,
+            "early_stop": True}
+    r = sc_soak.post(server.base_url, body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["early_stop"] == "sequential(error=0.2, min=3)" and out["schedule"] == "2"
+    results = out["results"]
+    assert len(results) == 6 and "answer" not in out
+    stopped = [x for x in results if x["stopped_early"]]
+    assert stopped, results
+    for x in stopped:
+        assert x["paths_finished"] < 16 and x["paths_stopped"] == 16 - x["paths_finished"]
+        assert x["paths_sampled"] <= 16 and x["tokens_saved_estimate"] > 0
+        assert x["stop_reason"].startswith("sequential(error=0.2, min=3): stopped after ")
+    assert out["usage"]["completion_tokens"] == sum(x["tokens"] for x in results)
+    gold = [p["gold"] for p in probs[:6]]
+    assert sum(str(x["answer"]) == str(g) for x, g in zip(results, gold)) >= 3  # the model is decent
+    assert sc_soak.wait_idle(server.base_url)["idle"]
+
+
+def test_chat_messages_use_the_models_template(server, probs):
+    msgs = {"messages": [{"role": "user", "content": probs[0]["question"]}], "n": 2,
+            "temperature": 0.0, "max_tokens": 96, "early_stop": False, "return_paths": True}
+    plain = {"prompt": probs[0]["prompt"], "n": 2, "temperature": 0.0, "max_tokens": 96,
+             "early_stop": False, "return_paths": True}
+    a, b = (sc_soak.post(server.base_url, body).json() for body in (msgs, plain))
+    # the embedded model's template renders a user turn as its plain prompt
+    assert [p["text"] for p in a["paths"]] == [p["text"] for p in b["paths"]]
+
+
+def test_stream_sends_each_vote_then_the_response(server, probs):
+    body = {"prompt": probs[2]["prompt"], "n": 12, "max_tokens": 96, "seed": 5, "stream": True,
+            "early_stop": {"kind": "margin", "margin": 2}}
+    with requests.post(server.base_url + sc_soak.ROUTE, json=body, stream=True, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sc_soak.read_stream(r)
+    assert events[-1] == "[DONE]"
+    final, votes = events[-2], [e for e in events if isinstance(e, dict) and
+                                e.get("object") == "self_consistency.vote"]
+    assert final["object"] == "self_consistency" and "answer" in final
+    assert votes and [v["paths_voted"] for v in votes] == sorted(v["paths_voted"] for v in votes)
+    assert votes[-1]["stop"] == final["stopped_early"]
+    assert any(e.get("object") == "self_consistency.problem" for e in events if isinstance(e, dict))
+
+
+@pytest.mark.parametrize("name", sorted(sc_soak.malformed_bodies()))
+def test_malformed_request_gets_a_4xx_naming_the_field(server, name):
+    res = sc_soak.send_malformed(server.base_url, name, sc_soak.malformed_bodies()[name])
+    assert res["ok"], res
+
+
+def test_client_hang_up_aborts_every_path(server, probs):
+    body = {"prompt": [p["prompt"] for p in probs[:3]], "n": 8, "max_tokens": 300,
+            "early_stop": False}
+    before = sc_soak.endpoint_state(server.base_url)
+    for after_s in (0.3, 2.0):
+        sc_soak.hang_up(server.base_url, body, after_s)
+        idle = sc_soak.wait_idle(server.base_url)
+        assert idle["idle"], idle  # nothing runs for a client that left
+    after = sc_soak.endpoint_state(server.base_url)
+    assert after["requests_total"] >= before["requests_total"] + 1  # they did start
+    with pytest.raises(requests.Timeout):
+        sc_soak.post(server.base_url, body, timeout=1.0)  # a client timeout is a hang-up too
+    assert sc_soak.wait_idle(server.base_url)["idle"]
+
+
+def test_one_request_holds_at_most_its_share_of_rows(server, probs):
+    body = {"prompt": [p["prompt"] for p in probs[:4]], "n": 8, "max_tokens": 96,
+            "early_stop": False}
+    seen, done = [], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            seen.append(sc_soak.endpoint_state(server.base_url)["paths_in_flight"])
+            time.sleep(0.05)
+
+    t = threading.Thread(target=watch)
+    t.start()
+    try:
+        r = sc_soak.post(server.base_url, body)
+    finally:
+        done.set()
+        t.join()
+    assert r.status_code == 200
+    assert max(seen) == MAX_INFLIGHT, seen  # filled to the bound, never past it
+
+
+def test_short_mixed_soak_leaves_nothing_behind(server):
+    report = sc_soak.soak(server.base_url, 40, threads=4, serial_disconnects=2)
+    assert report["good"] > 20 and report["good_ok"] == report["good"], report["good_failures"]
+    assert report["malformed"] == 8 and report["malformed_ok"] == 8, report["malformed_failures"]
+    assert report["hangups"] > 0
+    assert report["after_mix"]["idle"], report["after_mix"]
+    assert all(s["idle"] for s in report["serial_disconnects"]), report["serial_disconnects"]
+    state = report["state_at_end"]
+    assert state["requests_active"] == 0 and state["paths_in_flight"] == 0
+    assert server.alive() and server.health() == 200
+    assert "Traceback" not in server.log_text()
+
+
+# ---------------------------------------------------------------------------
+# Start-up checks, without a server
+
+
+def test_startup_check_names_what_to_set(monkeypatch):
+    from consensus_spec.server import endpoint
+
+    monkeypatch.setitem(sys.modules, "vllm.entrypoints.openai.api_server", sys)
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    line = endpoint.startup_check()
+    assert line is not None and "VLLM_PLUGINS is not set" in line and endpoint.ENABLE in line
+    monkeypatch.setenv("VLLM_PLUGINS", "consensus_spec_vllm_cpu_fixes")
+    assert "VLLM_PLUGINS=consensus_spec_vllm_cpu_fixes)" in endpoint.startup_check()
+    monkeypatch.setenv("VLLM_PLUGINS", endpoint.ENABLE.split("=", 1)[1])
+    assert endpoint.startup_check() is None
+    monkeypatch.delitem(sys.modules, "vllm.entrypoints.openai.api_server")
+    monkeypatch.delenv("VLLM_PLUGINS")
+    assert endpoint.startup_check() is None  # not a server: nothing to say
+
+
+def test_plugin_without_the_fixes_says_so(monkeypatch):
+    from consensus_spec.server import endpoint
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    monkeypatch.setenv("VLLM_PLUGINS", "consensus_spec_self_consistency")
+    endpoint.logger.addHandler(handler)
+    try:
+        plugin = endpoint.plugin()
+    finally:
+        endpoint.logger.removeHandler(handler)
+    assert plugin.name == "consensus_spec_self_consistency" and plugin.required_tasks == ("generate",)
+    assert any("vllm-cpu fixes are not loaded" in r.getMessage() for r in records)
+
+
+def test_entry_point_is_registered():
+    from importlib.metadata import entry_points
+
+    (ep,) = [e for e in entry_points(group="vllm.endpoint_plugins")
+             if e.name == "consensus_spec_self_consistency"]
+    assert ep.value == "consensus_spec.server.endpoint:plugin"
+    assert json.dumps(ep.load()().required_tasks)
