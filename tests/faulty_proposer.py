@@ -33,7 +33,7 @@ class FaultyProposer(ConsensusProposer):
 
         self.drafter.extend_and_draft = faulty
 
-    def _propose(self, *args):
+    def _propose(self, *args, **kwargs):
         if self._armed:
             self.calls += 1
-        return super()._propose(*args)
+        return super()._propose(*args, **kwargs)

@@ -182,6 +182,15 @@ def test_recovered_tokens_follow_the_target_with_the_draft_removed(rs):
         assert np.abs(observed / samples - want[keep].numpy()).max() < 0.005
 
 
+def test_a_placeholder_draft_excludes_nothing(rs):
+    """The scheduler sends -1 drafts for a resumed request; vLLM's kernel
+    then samples the whole target, and so does this one (it used to fail)."""
+    probs = torch.tensor([[0.0, 0.5, 0.5, 0.0]]).repeat(4000, 1)
+    got = rejection.recovered_by_gumbel_argmax(torch.full((4000,), -1, dtype=torch.int32), probs)
+    counts = collections.Counter(got.tolist())
+    assert set(counts) == {1, 2} and 1800 < counts[1] < 2200
+
+
 def test_recovered_tokens_leave_seeded_requests_and_draft_probs_to_vllm(rs, monkeypatch):
     """vLLM's sampler still runs where a request with drafts has its own
     generator, or draft probabilities are given; then its per-request

@@ -124,12 +124,17 @@ def plain_steps_patch() -> None:
 
 def recovered_by_gumbel_argmax(draft_token_ids, target_probs):
     """One recovered token per draft position: a sample of the target
-    distribution with the draft token removed, by Gumbel-argmax over its
-    log-probabilities (the CPU build's fused, parallel kernel)."""
+    distribution with the draft token removed (none for an id outside the
+    vocabulary), by Gumbel-argmax over its log-probabilities (the CPU
+    build's fused, parallel kernel)."""
     import torch
 
     logp = target_probs.log()
-    logp.scatter_(1, draft_token_ids.long().unsqueeze(1), float("-inf"))
+    drafts = draft_token_ids.long()
+    # a placeholder draft (-1, as the scheduler sends for a resumed request)
+    # excludes nothing, as in vLLM's kernel
+    rows = torch.nonzero((drafts >= 0) & (drafts < logp.shape[1])).squeeze(1)
+    logp[rows, drafts[rows]] = float("-inf")
     seeds = torch.randint(0, 2**31, (logp.shape[0],), dtype=torch.long)
     return torch.ops._C.fused_gumbel_argmax(logp, seeds).to(draft_token_ids.dtype)
 
