@@ -261,3 +261,12 @@ def test_bad_additional_config_is_a_clear_error_at_engine_start():
         ConsensusProposer(cfg)
 
 
+
+
+def test_warm_up_steps_leave_no_counts_behind():
+    """The made-up warm-up steps draft (they compile the kernels) but are no
+    engine's steps: a fresh proposer reports nothing drafted or accepted."""
+    p = ConsensusProposer(stand_in_config(k=4, max_model_len=200, max_num_seqs=8))
+    assert p.warmup_s > 0
+    c = p.counters()
+    assert c["num_drafted"] == 0 and c["num_accepted"] == 0 and c["paths_started"] == 0

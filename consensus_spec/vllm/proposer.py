@@ -121,6 +121,7 @@ class ConsensusProposer:
                            exc_info=True)
         self.budget = None  # nothing learned from made-up steps survives
         self.steps_timed = self.steps_unattributed = 0
+        self.num_drafted = self.num_accepted = 0  # nor counted
         self._reset()
         return time.perf_counter() - t0
 
