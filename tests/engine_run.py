@@ -111,9 +111,10 @@ def main(argv=None) -> int:
     if method == "nodraft":
         spec = {"method": "custom_class", "model": f"{__name__}.NoDraftProposer",
                 "num_speculative_tokens": 8}
-    if method == "consensus" and mode in ("dist", "dist_top"):
-        # the distribution test needs drafts to verify, however costly this
-        # machine makes drafting look to the budget: draft whenever confident
+    if method == "consensus":
+        # the lossless, distribution and row-tracking tests need drafts to
+        # verify, however costly this machine makes drafting look to the
+        # budget while it learns (tested on its own): draft whenever confident
         args = engine_args(num_speculative_tokens=8, cost_model="off")
         spec, extra = args["speculative_config"], args["additional_config"]
     if method in FAULTS:
