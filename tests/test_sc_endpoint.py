@@ -143,8 +143,12 @@ def test_client_hang_up_aborts_every_path(server, probs):
         assert idle["idle"], idle  # nothing runs for a client that left
     after = sc_soak.endpoint_state(server.base_url)
     assert after["requests_total"] >= before["requests_total"] + 1  # they did start
+    # 256 paths, 6 at a time: about 9 s here, so a 1 s client timeout always fires
+    # (the body above can finish inside 1 s on a quiet machine).
+    long_body = {"prompt": [p["prompt"] for p in probs], "n": 32, "max_tokens": 300,
+                 "early_stop": False}
     with pytest.raises(requests.Timeout):
-        sc_soak.post(server.base_url, body, timeout=1.0)  # a client timeout is a hang-up too
+        sc_soak.post(server.base_url, long_body, timeout=1.0)  # a client timeout is a hang-up too
     assert sc_soak.wait_idle(server.base_url)["idle"]
 
 
