@@ -17,8 +17,10 @@ from tests.test_self_consistency import FakeEngine, params_factory, script_from
 
 
 class FakeAsyncEngine:
-    """``generate``/``abort`` like vLLM's EngineClient: one chunk per tick
-    (DELTA outputs); ``slots`` requests advance per tick, FCFS."""
+    """``generate``/``abort`` like vLLM's EngineClient: one chunk per tick;
+    DELTA params get every chunk, FINAL_ONLY ones (``params.delta`` False)
+    only the final output, or on abort one final output with the tokens so
+    far, as ``AsyncLLM`` sends; ``slots`` requests advance per tick, FCFS."""
 
     def __init__(self, script, slots=1000, fail_on=None):
         self.script, self.slots, self.fail_on = script, slots, fail_on
@@ -26,23 +28,32 @@ class FakeAsyncEngine:
         self.aborted: list[str] = []
         self.added: list[str] = []
         self.order: list[str] = []
-        self.tick = asyncio.Condition()
+        self.generated = 0  # tokens the engine produced, aborted paths' included
+
+    @staticmethod
+    def _out(rid, params, chunks, i, finish):
+        text, ids = (chunks[i], [7]) if params.delta else ("".join(chunks[:i + 1]), [7] * (i + 1))
+        return SimpleNamespace(request_id=rid, finished=finish is not None, outputs=[SimpleNamespace(
+            text=text, token_ids=ids, cumulative_logprob=params.logprob * (i + 1),
+            finish_reason=finish)])
 
     async def generate(self, rid, prompt, params):
         chunks = self.script(prompt, params)
         self.added.append(rid)
         self.running[rid] = True
         try:
-            for i, chunk in enumerate(chunks):
+            for i in range(len(chunks)):
                 await asyncio.sleep(0)
                 if not self.running.get(rid):
+                    if not params.delta and i > 0:  # the final output of an abort
+                        yield self._out(rid, params, chunks, i - 1, "abort")
                     return
                 if self.fail_on is not None and rid.endswith(self.fail_on) and i == 1:
                     raise RuntimeError("engine failure")
+                self.generated += 1
                 done = i == len(chunks) - 1
-                yield SimpleNamespace(request_id=rid, finished=done, outputs=[SimpleNamespace(
-                    text=chunk, token_ids=[7], cumulative_logprob=params.logprob * (i + 1),
-                    finish_reason="stop" if done else None)])
+                if params.delta or done:
+                    yield self._out(rid, params, chunks, i, "stop" if done else None)
         finally:
             self.running.pop(rid, None)
 
@@ -66,14 +77,17 @@ def _summary(run):
 @pytest.mark.parametrize("schedule", [Schedule(waves=(2,), capacity=4), Schedule(waves=(4, "rest")),
                                       Schedule(waves=("rest",))])
 @pytest.mark.parametrize("rule", [None, StopRule(kind="margin", margin=2, min_samples=1)])
-def test_votes_match_the_step_driven_loop(schedule, rule):
+@pytest.mark.parametrize("delta", [True, False])
+def test_votes_match_the_step_driven_loop(schedule, rule, delta):
     engine = FakeAsyncEngine(script_from(TABLE))
-    make = params_factory(delta=True)
+    make = params_factory(delta=delta)
     run = asyncio.run(run_paths_async(engine.generate, engine.abort, ["a", "b", "c"], make, 8,
-                                      schedule=schedule, stop_rule=rule))
+                                      schedule=schedule, stop_rule=rule, delta=delta))
     ref = run_paths(FakeEngine(script_from(TABLE)), ["a", "b", "c"], make, 8,
                     schedule=schedule, stop_rule=rule, delta=True)
     assert [r.answer for r in run] == ["5", "1", "7"]
+    # every token the engine made is counted, aborted paths' too, DELTA or final-only
+    assert run.num_tokens == engine.generated
     if rule is None or schedule.all_at_once:
         assert _summary(run) == _summary(ref)  # same paths voted: same result
     assert not engine.running
@@ -84,6 +98,21 @@ def test_votes_match_the_step_driven_loop(schedule, rule):
         started_not_done = {rid for rid in engine.added
                             if not any(rid.endswith(f"-{r.index}-{s.path}") for r in run for s in r.samples)}
         assert started_not_done <= set(engine.aborted)
+
+
+@pytest.mark.parametrize("delta", [True, False])
+def test_an_aborted_paths_tokens_are_counted(delta):
+    """Idle fill starts six long paths beside the first wave; the first wave
+    agrees, so they are aborted part-way: their tokens are in the count, from
+    DELTA outputs or from the final output an abort sends."""
+    engine = FakeAsyncEngine(script_from([[("5", 1), ("5", 2)] + [("6", 50)] * 6]))
+    run = asyncio.run(run_paths_async(
+        engine.generate, engine.abort, ["a"], params_factory(delta=delta), 8,
+        schedule=Schedule(waves=(2,), capacity=8), delta=delta,
+        stop_rule=StopRule(kind="margin", margin=2, min_samples=1)))
+    (r,) = run
+    assert r.stopped_early and r.num_aborted == 6 and r.aborted_tokens >= 6
+    assert run.num_tokens == engine.generated and not engine.running
 
 
 def test_engine_error_aborts_every_running_path_and_raises():

@@ -582,3 +582,16 @@ def test_waves_simulation_on_plain_samples(tmp_path):
     # all at once never stops: exactly the baseline; waves + predictive saves tokens
     assert rows[2].split("|")[3].strip() == "100.0"
     assert float(rows[0].split("|")[3]) < 100.0
+
+
+def test_serve_sc_replays_the_endpoints_stop_rule_on_full_n_paths():
+    """serve-sc's agreement: the default rule and waves of 2 replayed on one
+    full-n answer's paths in wave order, against those paths' full-n vote."""
+    from evals.math.serve_sc import replayed_stop
+
+    settled = {"path_answers": ["7"] * 16, "path_tokens": [10] * 16}
+    out = replayed_stop(settled, 16)
+    assert out["agree"] and out["paths"] < 16 and out["tokens"] == 10 * out["paths"]
+    # an early lead that the later paths overturn: a rule that stops on it disagrees
+    flip = {"path_answers": ["3"] * 4 + ["8"] * 12, "path_tokens": list(range(1, 17))}
+    assert replayed_stop(flip, 16) == {"agree": False, "paths": 4, "tokens": 1 + 2 + 3 + 4}

@@ -102,6 +102,23 @@ def test_early_stop_samples_fewer_paths_and_aborts(server, probs):
     assert sc_soak.wait_idle(server.base_url)["idle"]
 
 
+def test_aborted_paths_tokens_are_counted(server, probs):
+    """Idle fill starts later waves beside the first; a first wave that
+    agrees stops the problem and aborts them part-way: their tokens (sent by
+    vLLM with the abort, the paths being final-output-only) are in ``tokens``."""
+    discarded = []
+    for i in range(8):
+        body = {"prompt": probs[i]["prompt"], "n": 16, "max_tokens": 96, "seed": 11 + i,
+                "early_stop": {"kind": "margin", "margin": 2, "min_samples": 1},
+                "return_paths": True}
+        out = sc_soak.post(server.base_url, body).json()
+        assert out["tokens"] == sum(p["tokens"] for p in out["paths"]) + out["tokens_discarded"]
+        discarded.append(out["tokens_discarded"])
+        if out["tokens_discarded"] > 0:
+            break
+    assert max(discarded) > 0, discarded
+
+
 def test_chat_messages_use_the_models_template(server, probs):
     msgs = {"messages": [{"role": "user", "content": probs[0]["question"]}], "n": 2,
             "temperature": 0.0, "max_tokens": 96, "early_stop": False, "return_paths": True}

@@ -9,7 +9,10 @@ vote), fed by one task per running path instead of an engine step loop.
 Other requests may share the engine: only this run's ids are touched.
 
 Every path this run started is aborted before it returns or raises, a
-cancellation (a client that went away) included.
+cancellation (a client that went away) included.  Paths may stream DELTA
+outputs or only their final output (FINAL_ONLY: far less work per engine
+step for the server); an aborted path's tokens are then read from the final
+output the engine sends when it aborts a request.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from .waves import Schedule
 
 __all__ = ["run_paths_async"]
 
+ABORT_DRAIN_S = 1.0  # how long aborted paths may take to hand in their final output
+
 Generate = Callable[[str, Any, Any], AsyncIterator[Any]]  # (request id, prompt, params)
 Abort = Callable[[Iterable[str]], Awaitable[None]]
 
@@ -41,6 +46,7 @@ async def run_paths_async(
     stop_rule: StopRule | None = None,
     voting: Voting | None = None,
     max_tokens: int = 1024,
+    delta: bool = False,
     run_id: str | None = None,
     on_vote: Callable[[int, list, int, bool], None] | None = None,
     on_problem_done: Callable[[int, PathBook], None] | None = None,
@@ -49,8 +55,9 @@ async def run_paths_async(
 ) -> SelfConsistencyRun:
     """Sample up to ``n`` paths per prompt through ``generate``, in waves, and vote.
 
-    ``make_params(problem, path)`` must ask for DELTA outputs (so aborted
-    paths' tokens are counted).  ``schedule``, ``stop_rule``, ``voting`` and
+    ``make_params(problem, path)`` asks for DELTA outputs (``delta=True``)
+    or FINAL_ONLY ones; with FINAL_ONLY an aborted path's tokens come from
+    the final output sent on abort, as vLLM's ``AsyncLLM`` sends.  ``schedule``, ``stop_rule``, ``voting`` and
     ``max_tokens`` as in :func:`run_paths`; ``schedule.capacity`` bounds
     this run's paths in flight.  ``on_vote`` sees every stop vote (see
     :class:`PathBook`), ``on_problem_done(problem, book)`` each problem once
@@ -70,7 +77,7 @@ async def run_paths_async(
         p, k = key
         try:
             async for out in generate(rid(p, k), prompts[p], make_params(p, k)):
-                book.update(key, out.outputs[0], True)
+                book.update(key, out.outputs[0], delta)
                 if out.finished:
                     break
             events.put_nowait((key, None))
@@ -86,12 +93,16 @@ async def run_paths_async(
             on_submit(len(paths))
 
     async def stop(keys: list[tuple[int, int]]) -> None:
+        """Abort ``keys``; their tasks read the final output the abort sends
+        (its tokens), and any still waiting after a moment are cancelled
+        (a cancelled ``generate`` aborts its request itself)."""
         stopped = [tasks.pop(key) for key in keys if key in tasks]
-        for task in stopped:
-            task.cancel()
         if keys:
             await abort([rid(p, k) for p, k in keys])
         if stopped:
+            _, late = await asyncio.wait(stopped, timeout=ABORT_DRAIN_S)
+            for task in late:
+                task.cancel()
             await asyncio.gather(*stopped, return_exceptions=True)
             if on_submit is not None:
                 on_submit(-len(stopped))

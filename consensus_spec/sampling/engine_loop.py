@@ -203,7 +203,8 @@ class PathBook:
         self.max_tokens = max_tokens
         self.samples: dict[int, dict[int, Sample]] = {i: {} for i in range(num)}
         self.accs: dict[tuple[int, int], _Accumulator] = {}  # running paths
-        self.cancelled: dict[int, list[int]] = {i: [] for i in range(num)}  # tokens done per cancelled path
+        self.aborted: dict[tuple[int, int], _Accumulator] = {}  # may still get a final output
+        self.cancelled: dict[int, list[_Accumulator]] = {i: [] for i in range(num)}  # per cancelled path
         self.last_look: dict[int, tuple[int, int]] = {}  # problem -> (paths voted, remaining) at its last vote
 
         def stop_check(p: int, answers: list, remaining: int) -> bool:
@@ -226,9 +227,13 @@ class PathBook:
 
     def update(self, key: tuple[int, int], completion, delta: bool) -> bool:
         """Add one output of a running path; False if the path is not running
-        (not ours, or already aborted)."""
+        (not ours, or already aborted).  An aborted path's late output (the
+        final output an async engine sends on abort) still counts its tokens."""
         acc = self.accs.get(key)
         if acc is None:
+            late = self.aborted.get(key)
+            if late is not None:
+                late.update(completion, delta)
             return False
         acc.update(completion, delta)
         return True
@@ -244,9 +249,10 @@ class PathBook:
         was_stopped = p in self.planner.stopped
         to_submit, to_abort = self.planner.on_finish(p, k, self.samples[p][k].answer)
         for a in to_abort:
-            self.cancelled[a[0]].append(self.accs.pop(a).num_tokens)
+            self.aborted[a] = self.accs.pop(a)
+            self.cancelled[a[0]].append(self.aborted[a])
         if p in self.planner.stopped and not was_stopped:  # never-sent paths: cancelled at 0 tokens
-            self.cancelled[p] += [0] * self.planner.num_unsent(p)
+            self.cancelled[p] += [_Accumulator() for _ in range(self.planner.num_unsent(p))]
         return self._started(to_submit), to_abort
 
     def _started(self, paths: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -268,7 +274,7 @@ class PathBook:
     def result(self, p: int) -> ProblemResult:
         vote, weights = self.vote_of(p)
         done = [self.samples[p][k] for k in sorted(self.samples[p])]
-        cancelled = self.cancelled[p]
+        cancelled = [acc.num_tokens for acc in self.cancelled[p]]
         return ProblemResult(
             index=p,
             vote=vote,

@@ -273,9 +273,9 @@ async def handle(raw_request):
                 lambda rid, ids, params: st.engine.generate(TokensPrompt(prompt_token_ids=ids),
                                                             params, rid),
                 st.engine.abort, prompts, make_params, req.n, schedule=schedule,
-                stop_rule=stop_rule, voting=voting, max_tokens=max_tokens, run_id=run_id,
-                on_vote=on_vote, on_problem_done=on_problem_done, on_submit=on_submit,
-                idle_rows=st.idle_rows)
+                stop_rule=stop_rule, voting=voting, max_tokens=max_tokens, delta=False,
+                run_id=run_id, on_vote=on_vote, on_problem_done=on_problem_done,
+                on_submit=on_submit, idle_rows=st.idle_rows)
         except BaseException:
             st.requests_unfinished += 1
             raise
@@ -374,7 +374,7 @@ def _params_factory(req: SelfConsistencyRequest, prompts: list[list[int]], max_m
             n=1, temperature=req.temperature, top_p=req.top_p, max_tokens=limits[p],
             seed=None if req.seed is None else req.seed + p * req.n + k,
             stop=stop, logprobs=0 if logprobs else None,
-            output_kind=RequestOutputKind.DELTA)  # aborted paths' tokens are counted
+            output_kind=RequestOutputKind.FINAL_ONLY)  # no output per step; abort sends the tokens
 
     return make
 

@@ -13,18 +13,24 @@ is back) ask for the voted answer of the embedded model's test problems:
 
 One server per configuration per run, configurations in alternating order
 across runs, each at every ``--concurrency`` (one that fills the batch and
-one that does not).  Every request is seeded (problem i: ``seed + i * 64``)
-so ``endpoint`` and ``endpoint-full`` sample the same paths: the full-n vote
-of ``endpoint-full`` is the endpoint's own paths replayed to n, and their
-agreement is reported.  Per configuration and concurrency: answers/s, tokens
+one that does not).  Per configuration and concurrency: answers/s, tokens
 per answer, p50/p95 latency per answer, gold accuracy, and the server's
 process-tree CPU seconds beside the wall time.
+
+Agreement with a full-n vote: ``endpoint-full`` returns its n paths, and
+the endpoint's stop rule and waves are replayed on them in wave order (the
+endpoint votes whole waves, so this is the decision it takes on those
+paths); the replayed answer is compared with the full-n vote of the same
+paths.  (Comparing two requests is no measure: a seed does not repeat a
+path across requests once drafting is on, and two independent full-n votes
+of this model disagree on many problems.)
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import itertools
 import json
 import math
 import os
@@ -58,14 +64,21 @@ def ask(base_url: str, config: str, prob: dict, args) -> dict:
     t0 = time.monotonic()
     try:
         if config.startswith("endpoint"):
+            full = config == "endpoint-full"
             body = {"model": SERVED, "prompt": prob["prompt"], "n": args.n, "temperature": 0.8,
                     "max_tokens": args.max_tokens, "seed": prob["seed"],
-                    "early_stop": config == "endpoint"}
+                    "early_stop": not full, "return_paths": full}
             r = requests.post(base_url + "/v1/self_consistency", json=body, timeout=args.timeout)
             r.raise_for_status()
             out = r.json()
             answer, tokens = out["answer"], out["tokens"]
             paths = out["paths_sampled"]
+            if full:  # the n paths in wave order, for the replayed stop rule
+                ordered = sorted(out["paths"], key=lambda x: x["index"])
+                return {"ok": True, "i": prob["i"], "s": time.monotonic() - t0, "answer": answer,
+                        "tokens": tokens, "paths": paths,
+                        "path_answers": [x["answer"] for x in ordered],
+                        "path_tokens": [x["tokens"] for x in ordered]}
         else:
             body = {"model": SERVED, "prompt": prob["prompt"], "n": args.n, "temperature": 0.8,
                     "max_tokens": args.max_tokens, "seed": prob["seed"]}
@@ -120,6 +133,22 @@ def _same(a, b) -> bool:
     return ids[0] is not None and ids[0] == ids[1]
 
 
+def replayed_stop(record: dict, n: int) -> dict:
+    """The endpoint's default stop rule and waves replayed on one
+    ``endpoint-full`` answer's n paths: (agrees with their full-n vote,
+    paths and tokens the rule would have used)."""
+    from consensus_spec.sampling.stopping import StopRule
+    from consensus_spec.sampling.waves import Schedule
+    from consensus_spec.voting.vote import cluster_answers
+
+    from ..adaptive.stop_rules import replay_order
+
+    ids = cluster_answers(record["path_answers"])
+    checks = [end for end in itertools.accumulate(Schedule().sizes(n)) if end < n]
+    used, tokens, stopped, full = replay_order(ids, record["path_tokens"], StopRule(), checks)
+    return {"agree": stopped == full, "paths": used, "tokens": tokens}
+
+
 def summarize(runs: list[dict], probs: list[dict], args) -> dict:
     """Per configuration and concurrency: means over runs and their spread."""
     table = {}
@@ -145,14 +174,17 @@ def summarize(runs: list[dict], probs: list[dict], args) -> dict:
                 "wall_s": [round(c["wall_s"], 1) for c in cells],
                 "client_cpu_s": [round(c["client_cpu_s"], 1) for c in cells],
             }
-    for conc in args.concurrency:  # the endpoint's answer vs the full-n vote of the same paths
-        pairs = [(a, b) for r in runs if "endpoint" in r and "endpoint-full" in r
-                 for a, b in zip(r["endpoint"][conc]["records"], r["endpoint-full"][conc]["records"])
-                 if a["ok"] and b["ok"]]
-        if pairs and ("endpoint", conc) in table:
-            table[("endpoint", conc)]["agreement_with_full_n"] = \
-                sum(_same(a["answer"], b["answer"]) for a, b in pairs) / len(pairs)
-            table[("endpoint", conc)]["agreement_pairs"] = len(pairs)
+    for conc in args.concurrency:  # the stop rule replayed on endpoint-full's own paths
+        full = [x for r in runs if "endpoint-full" in r
+                for x in r["endpoint-full"][conc]["records"] if x["ok"]]
+        if full and ("endpoint", conc) in table:
+            replays = [replayed_stop(x, args.n) for x in full]
+            table[("endpoint", conc)].update(
+                agreement_with_full_n=sum(r["agree"] for r in replays) / len(replays),
+                agreement_answers=len(replays),
+                replayed_paths_per_answer=statistics.fmean(r["paths"] for r in replays),
+                replayed_tokens_frac=sum(r["tokens"] for r in replays)
+                / max(1, sum(sum(x["path_tokens"]) for x in full)))
         base = table.get(("client-nospec", conc))
         for config in args.configs:
             row = table[(config, conc)]
@@ -166,12 +198,14 @@ def markdown(table: dict, args) -> str:
     lines = [f"n={args.n}, {args.problems} problems, max_tokens {args.max_tokens}, "
              f"max_num_seqs {args.max_num_seqs}, runs {args.runs} (order alternated)", "",
              "| config | conc | answers/s (range) | x vs client-nospec | tokens/answer | paths/answer "
-             "| p50 s | p95 s | x p95 | gold acc (±SE) | agree full-n | server CPU s/answer | fails |",
+             "| p50 s | p95 s | x p95 | gold acc (±SE) | agree full-n, replayed (paths) "
+             "| server CPU s/answer | fails |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (config, conc), r in table.items():
         rng = r["answers_per_s_range"] or [0, 0]
         agree = r.get("agreement_with_full_n")
-        agree_text = "-" if agree is None else f"{agree:.3f} of {r['agreement_pairs']}"
+        agree_text = "-" if agree is None else \
+            f"{agree:.3f} of {r['agreement_answers']} ({r['replayed_paths_per_answer']:.1f})"
         lines.append(
             f"| {config} | {conc} | {r['answers_per_s']:.3f} ({rng[0]:.3f}-{rng[1]:.3f}) "
             f"| {r.get('x_answers_per_s_vs_client_nospec', float('nan')):.2f} "
