@@ -24,6 +24,7 @@ import re
 import socket
 import sys
 import time
+import uuid
 from pathlib import Path
 
 from tests import server_soak
@@ -52,10 +53,12 @@ def post(base_url: str, body, timeout: float = TIMEOUT_S, raw: bool = False):
     return requests.post(base_url + ROUTE, json=body, timeout=timeout)
 
 
-def endpoint_state(base_url: str) -> dict:
+def endpoint_state(base_url: str, request_id: str | None = None) -> dict:
+    """The endpoint's counts; with ``request_id``, of the runs of that X-Request-Id."""
     import requests
 
-    return requests.get(base_url + ROUTE + "/state", timeout=10).json()
+    params = {"request_id": request_id} if request_id is not None else None
+    return requests.get(base_url + ROUTE + "/state", params=params, timeout=10).json()
 
 
 def engine_gauges(base_url: str) -> dict:
@@ -85,15 +88,27 @@ def wait_idle(base_url: str, timeout: float = 20.0) -> dict:
         time.sleep(0.25)
 
 
-def hang_up(base_url: str, body: dict, after_s: float) -> None:
+def hang_up(base_url: str, body: dict, after_s: float, request_id: str = "") -> None:
     """A client that sends a request and closes the connection after ``after_s``."""
     host, port = base_url.split("//")[1].split(":")
     data = json.dumps(body).encode()
+    rid = f"X-Request-Id: {request_id}\r\n".encode() if request_id else b""
     with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall(b"POST " + ROUTE.encode() + b" HTTP/1.1\r\nHost: x\r\n"
-                  b"Content-Type: application/json\r\nContent-Length: "
+        s.sendall(b"POST " + ROUTE.encode() + b" HTTP/1.1\r\nHost: x\r\n" + rid
+                  + b"Content-Type: application/json\r\nContent-Length: "
                   + str(len(data)).encode() + b"\r\n\r\n" + data)
         time.sleep(after_s)
+
+
+def wait_run_ended(base_url: str, request_id: str, timeout: float = 30.0) -> dict:
+    """Poll until no run of ``request_id`` is active (its paths aborted)."""
+    t0 = time.monotonic()
+    while True:
+        s = endpoint_state(base_url, request_id)
+        ended = s["requests_active"] == 0 and s["paths_in_flight"] == 0
+        if ended or time.monotonic() - t0 > timeout:
+            return {"ended": ended, "waited_s": round(time.monotonic() - t0, 2)}
+        time.sleep(0.1)
 
 
 def problems(count: int, seed: int = 1234) -> list[dict]:
@@ -225,8 +240,9 @@ def soak(base_url: str, requests_: int, threads: int, malformed_every: int = 5,
         if kind == "bad":
             return kind, send_malformed(base_url, x, bad[x])
         if kind == "hangup":
-            hang_up(base_url, x, after_s=rng.uniform(0.05, 1.0))
-            return kind, {"ok": True}
+            rid = f"soak-hangup-{uuid.uuid4().hex[:12]}"
+            hang_up(base_url, x, after_s=rng.uniform(0.05, 1.0), request_id=rid)
+            return kind, wait_run_ended(base_url, rid)  # its run ended: its paths aborted
         return kind, send_good(base_url, x)
 
     t0 = time.monotonic()
@@ -252,6 +268,9 @@ def soak(base_url: str, requests_: int, threads: int, malformed_every: int = 5,
         "malformed_statuses": sorted({(r["name"], r["status"]) for r in malformed}),
         "malformed_failures": [r for r in malformed if not r["ok"]][:5],
         "hangups": sum(k == "hangup" for k, _ in results),
+        "hangups_ended": sum(r["ended"] for k, r in results if k == "hangup"),
+        "hangup_end_wait_s_max": max([r["waited_s"] for k, r in results if k == "hangup"],
+                                     default=None),
         "after_mix": after_mix, "serial_disconnects": serial,
         "state_at_end": endpoint_state(base_url),
     }
@@ -282,6 +301,7 @@ def main(argv=None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
     ok = report["good_ok"] == report["good"] and report["malformed_ok"] == report["malformed"] \
+        and report["hangups_ended"] == report["hangups"] \
         and report["after_mix"]["idle"] and all(s["idle"] for s in report["serial_disconnects"])
     return 0 if ok else 1
 

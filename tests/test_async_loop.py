@@ -151,6 +151,8 @@ def test_idle_fill_opens_early_waves_only_into_rows_idle_engine_wide():
     assert len(PathPlanner(1, 8, sched).admit()) == 8  # own capacity: every wave at once
     assert len(PathPlanner(1, 8, sched, idle_rows=lambda: 0).admit()) == 2  # the first wave always
     assert len(PathPlanner(1, 8, sched, idle_rows=lambda: 4).admit()) == 4  # 2 idle rows after it
+    assert len(PathPlanner(1, 8, sched, idle_rows=lambda: 6).admit()) == 6  # several waves at once
+    assert len(PathPlanner(1, 8, sched, idle_rows=lambda: 99).admit()) == 8  # up to its capacity
     busy = PathPlanner(1, 8, sched, idle_rows=lambda: 0)
     busy.admit()
     busy.on_finish(0, 0, "1")

@@ -155,9 +155,11 @@ def test_client_hang_up_aborts_every_path(server, probs):
             "early_stop": False}
     before = sc_soak.endpoint_state(server.base_url)
     for after_s in (0.3, 2.0):
-        sc_soak.hang_up(server.base_url, body, after_s)
+        sc_soak.hang_up(server.base_url, body, after_s, request_id=f"hang-{after_s}")
         idle = sc_soak.wait_idle(server.base_url)
         assert idle["idle"], idle  # nothing runs for a client that left
+        assert sc_soak.endpoint_state(server.base_url, f"hang-{after_s}") == {
+            "request_id": f"hang-{after_s}", "requests_active": 0, "paths_in_flight": 0}
     after = sc_soak.endpoint_state(server.base_url)
     assert after["requests_total"] >= before["requests_total"] + 1  # they did start
     # 256 paths, 6 at a time: about 9 s here, so a 1 s client timeout always fires
@@ -172,33 +174,37 @@ def test_client_hang_up_aborts_every_path(server, probs):
 def test_one_request_holds_at_most_its_share_of_rows(server, probs):
     body = {"prompt": [p["prompt"] for p in probs[:4]], "n": 8, "max_tokens": 96,
             "early_stop": False}
-    seen, done = [], threading.Event()
+    seen, mine, done = [], [], threading.Event()
 
     def watch():
         while not done.is_set():
             seen.append(sc_soak.endpoint_state(server.base_url)["paths_in_flight"])
+            mine.append(sc_soak.endpoint_state(server.base_url, "share")["paths_in_flight"])
             time.sleep(0.05)
 
     t = threading.Thread(target=watch)
     t.start()
     try:
-        r = sc_soak.post(server.base_url, body)
+        r = requests.post(server.base_url + sc_soak.ROUTE, json=body,
+                          headers={"X-Request-Id": "share"}, timeout=sc_soak.TIMEOUT_S)
     finally:
         done.set()
         t.join()
     assert r.status_code == 200
     assert max(seen) == MAX_INFLIGHT, seen  # filled to the bound, never past it
+    assert max(mine) == MAX_INFLIGHT, mine  # the same run, seen by its X-Request-Id
 
 
 def test_short_mixed_soak_leaves_nothing_behind(server):
     report = sc_soak.soak(server.base_url, 40, threads=4, serial_disconnects=2)
     assert report["good"] > 20 and report["good_ok"] == report["good"], report["good_failures"]
     assert report["malformed"] == 8 and report["malformed_ok"] == 8, report["malformed_failures"]
-    assert report["hangups"] > 0
+    assert report["hangups"] > 0 and report["hangups_ended"] == report["hangups"]
     assert report["after_mix"]["idle"], report["after_mix"]
     assert all(s["idle"] for s in report["serial_disconnects"]), report["serial_disconnects"]
     state = report["state_at_end"]
     assert state["requests_active"] == 0 and state["paths_in_flight"] == 0
+    assert state["client_ids_held"] == 0
     assert server.alive() and server.health() == 200
     assert "Traceback" not in server.log_text()
 

@@ -225,12 +225,13 @@ class PathPlanner:
                         break
                     self._open_next(p)
                 out += self._send_ready()
-        else:  # an engine shared with other runs: only rows idle engine-wide, one pass
+        else:  # an engine shared with other runs: only the rows idle engine-wide
             spare = min(self._free(), self.idle_rows() - len(out))
-            for p in list(self._unopened):
-                if spare <= 0:
-                    break
-                spare -= self._open_next(p)
+            while spare > 0 and self._unopened:
+                for p in list(self._unopened):  # one wave each, oldest first
+                    if spare <= 0:
+                        break
+                    spare -= self._open_next(p)
             out += self._send_ready()
         return out
 

@@ -106,6 +106,7 @@ class _State:
         self.max_model_len = engine_client.model_config.max_model_len
         self.chat_template = getattr(args, "chat_template", None)
         self.runs: dict[str, int] = {}  # run id -> paths in the engine now
+        self.client_ids: dict[str, str] = {}  # run id -> the client's X-Request-Id
         self.requests_total = 0
         self.requests_unfinished = 0  # failed, or cancelled by a client that left
         self.ids = itertools.count()
@@ -115,9 +116,15 @@ class _State:
         are not counted): what idle fill may open early waves into."""
         return self.max_num_seqs - sum(self.runs.values())
 
-    def snapshot(self) -> dict:
+    def snapshot(self, client_id: str | None = None) -> dict:
+        """Counts; with ``client_id``, only the runs of requests that sent it
+        as ``X-Request-Id`` (so a client can check that its run ended)."""
+        if client_id is not None:
+            mine = [r for r, c in self.client_ids.items() if c == client_id]
+            return {"request_id": client_id, "requests_active": len(mine),
+                    "paths_in_flight": sum(self.runs.get(r, 0) for r in mine)}
         return {"requests_active": len(self.runs), "paths_in_flight": sum(self.runs.values()),
-                "requests_total": self.requests_total, "requests_unfinished": self.requests_unfinished,
+                "client_ids_held": len(self.client_ids), "requests_total": self.requests_total, "requests_unfinished": self.requests_unfinished,
                 "limits": {"max_n": self.limits.max_n, "max_prompts": self.limits.max_prompts,
                            "max_inflight": self.limits.max_inflight}}
 
@@ -143,9 +150,9 @@ class SelfConsistencyPlugin:
             return await handle(raw_request)
 
         @app.get(ROUTE + "/state")
-        async def self_consistency_state(raw_request: Request):
+        async def self_consistency_state(raw_request: Request, request_id: str | None = None):
             state = getattr(raw_request.app.state, "consensus_sc", None)
-            return {} if state is None else state.snapshot()
+            return {} if state is None else state.snapshot(request_id)
 
     async def init_state(self, engine_client, state, args: Namespace) -> None:
         if engine_client is None:
@@ -267,6 +274,9 @@ async def handle(raw_request):
         from ..sampling.async_loop import run_paths_async
 
         st.runs[run_id] = 0
+        client_id = raw_request.headers.get("X-Request-Id")
+        if client_id:
+            st.client_ids[run_id] = client_id[:256]
         st.requests_total += 1
         try:
             result = await run_paths_async(
@@ -281,6 +291,7 @@ async def handle(raw_request):
             raise
         finally:
             st.runs.pop(run_id, None)
+            st.client_ids.pop(run_id, None)
         problems = [problem_json(r, req.n, stop_rule, req.return_paths) for r in result]
         out = {"id": run_id, "object": "self_consistency", "created": created,
                "model": st.model_names[0] if st.model_names else None,
