@@ -68,6 +68,8 @@ def ask(base_url: str, config: str, prob: dict, args) -> dict:
             body = {"model": SERVED, "prompt": prob["prompt"], "n": args.n, "temperature": 0.8,
                     "max_tokens": args.max_tokens, "seed": prob["seed"],
                     "early_stop": not full, "return_paths": full}
+            if not full and args.schedule:
+                body["schedule"] = args.schedule
             r = requests.post(base_url + "/v1/self_consistency", json=body, timeout=args.timeout)
             r.raise_for_status()
             out = r.json()
@@ -133,7 +135,7 @@ def _same(a, b) -> bool:
     return ids[0] is not None and ids[0] == ids[1]
 
 
-def replayed_stop(record: dict, n: int) -> dict:
+def replayed_stop(record: dict, n: int, schedule: str | None = None) -> dict:
     """The endpoint's default stop rule and waves replayed on one
     ``endpoint-full`` answer's n paths: (agrees with their full-n vote,
     paths and tokens the rule would have used)."""
@@ -144,7 +146,8 @@ def replayed_stop(record: dict, n: int) -> dict:
     from ..adaptive.stop_rules import replay_order
 
     ids = cluster_answers(record["path_answers"])
-    checks = [end for end in itertools.accumulate(Schedule().sizes(n)) if end < n]
+    waves = Schedule.parse(schedule) if schedule else Schedule()
+    checks = [end for end in itertools.accumulate(waves.sizes(n)) if end < n]
     used, tokens, stopped, full = replay_order(ids, record["path_tokens"], StopRule(), checks)
     return {"agree": stopped == full, "paths": used, "tokens": tokens}
 
@@ -178,7 +181,7 @@ def summarize(runs: list[dict], probs: list[dict], args) -> dict:
         full = [x for r in runs if "endpoint-full" in r
                 for x in r["endpoint-full"][conc]["records"] if x["ok"]]
         if full and ("endpoint", conc) in table:
-            replays = [replayed_stop(x, args.n) for x in full]
+            replays = [replayed_stop(x, args.n, args.schedule) for x in full]
             table[("endpoint", conc)].update(
                 agreement_with_full_n=sum(r["agree"] for r in replays) / len(replays),
                 agreement_answers=len(replays),
@@ -227,6 +230,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--schedule", help="the endpoint's wave schedule (default: the endpoint's own)")
     ap.add_argument("--seed", type=int, default=1000)
     ap.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     ap.add_argument("--out", type=Path, help="JSON of every request and the table")
