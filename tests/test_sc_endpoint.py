@@ -254,3 +254,25 @@ def test_entry_point_is_registered():
              if e.name == "consensus_spec_self_consistency"]
     assert ep.value == "consensus_spec.server.endpoint:plugin"
     assert json.dumps(ep.load()().required_tasks)
+
+
+def test_messages_to_a_model_without_a_chat_template_get_a_400():
+    from types import SimpleNamespace
+
+    from consensus_spec.server import endpoint
+    from consensus_spec.server.protocol import BadRequest, Limits, parse_request
+
+    class NoTemplate:
+        chat_template = None
+
+        def encode(self, text, add_special_tokens=True):
+            return [1] * len(text.split())
+
+    engine = SimpleNamespace(renderer=SimpleNamespace(get_tokenizer=NoTemplate))
+    st = SimpleNamespace(engine=engine, chat_template=None, max_model_len=512)
+    req, *_ = parse_request({"messages": [{"role": "user", "content": "2+2?"}], "n": 2}, Limits())
+    with pytest.raises(BadRequest) as e:
+        endpoint._render(st, req)
+    assert e.value.param == "messages" and "no chat template" in str(e.value)
+    req, *_ = parse_request({"prompt": "Question: 2+2?\nAnswer:", "n": 2}, Limits())
+    assert endpoint._render(st, req) == [[1, 1, 1]]  # a prompt needs no template
