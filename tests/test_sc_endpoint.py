@@ -121,6 +121,17 @@ def test_aborted_paths_tokens_are_counted(server, probs):
     assert max(discarded) > 0, discarded
 
 
+def test_weighted_vote_uses_each_paths_logprobs(server, probs):
+    body = {"prompt": probs[3]["prompt"], "n": 6, "max_tokens": 96, "early_stop": False,
+            "voting": {"weighted": True}, "return_paths": True}
+    r = sc_soak.post(server.base_url, body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    # final-only outputs still carry the cumulative logprob: every class has a weight
+    assert out["votes"] and all(v["weight"] > 0 for v in out["votes"]), out["votes"]
+    assert sum(v["count"] for v in out["votes"]) + out["abstained"] == 6
+
+
 def test_chat_messages_use_the_models_template(server, probs):
     msgs = {"messages": [{"role": "user", "content": probs[0]["question"]}], "n": 2,
             "temperature": 0.0, "max_tokens": 96, "early_stop": False, "return_paths": True}
