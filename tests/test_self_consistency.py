@@ -580,7 +580,9 @@ def test_self_consistency_with_consensus_drafting_and_waves_on_vllm(monkeypatch)
     finally:
         llm.llm_engine.engine_core.shutdown()
     assert len(run) == 8 and all(r.answer is not None for r in run)
-    assert all(len(r.samples) % 2 == 0 for r in run)  # whole waves of 2
+    # votes are taken on whole waves of 2 (a path of a wave that idle fill
+    # started early may finish before the stop: it is kept, so samples can be odd)
+    assert all(r.stopped_after % 2 == 0 if r.stopped_early else len(r.samples) == 8 for r in run)
     spec = run.spec_decode
     assert spec is not None and spec.num_accepted_tokens > 0
     assert counters["num_failures"] == 0 and not counters["disabled"]
