@@ -57,12 +57,13 @@ async def run_paths_async(
 
     ``make_params(problem, path)`` asks for DELTA outputs (``delta=True``)
     or FINAL_ONLY ones; with FINAL_ONLY an aborted path's tokens come from
-    the final output sent on abort, as vLLM's ``AsyncLLM`` sends.  ``schedule``, ``stop_rule``, ``voting`` and
-    ``max_tokens`` as in :func:`run_paths`; ``schedule.capacity`` bounds
-    this run's paths in flight.  ``on_vote`` sees every stop vote (see
-    :class:`PathBook`), ``on_problem_done(problem, book)`` each problem once
-    its vote is final, ``on_submit(count)`` each batch of paths sent (for
-    a caller's count of in-flight requests; negative when they end).
+    the final output vLLM's ``AsyncLLM`` sends on abort.  ``schedule``,
+    ``stop_rule``, ``voting`` and ``max_tokens`` as in :func:`run_paths`;
+    ``schedule.capacity`` bounds this run's paths in flight.  ``on_vote``
+    sees every stop vote (see :class:`PathBook`), ``on_problem_done(problem,
+    book)`` each problem once its vote is final, ``on_submit(count)`` each
+    batch of paths sent (for a caller's count of in-flight requests;
+    negative when they end).
     ``idle_rows()``: engine rows idle now, for an engine shared with other
     runs (see :class:`~consensus_spec.sampling.waves.PathPlanner`).
     """

@@ -227,11 +227,14 @@ class PathPlanner:
                 out += self._send_ready()
         else:  # an engine shared with other runs: only the rows idle engine-wide
             spare = min(self._free(), self.idle_rows() - len(out))
-            while spare > 0 and self._unopened:
+            opened = 1
+            while spare > 0 and self._unopened and opened:
+                opened = 0
                 for p in list(self._unopened):  # one wave each, oldest first
                     if spare <= 0:
                         break
-                    spare -= self._open_next(p)
+                    size = self._open_next(p)
+                    spare, opened = spare - size, opened + size
             out += self._send_ready()
         return out
 
