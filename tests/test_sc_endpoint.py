@@ -48,7 +48,7 @@ def test_plugin_loaded_and_said_so(server):
     log = server.log_text()
     assert "Loaded endpoint plugin consensus_spec_self_consistency" in log
     assert f"consensus_spec: POST /v1/self_consistency served (max n 32, 64 problems a request, " \
-           f"{MAX_INFLIGHT} paths in flight a request)" in log
+           f"{MAX_INFLIGHT} paths in flight a request, idle fill any)" in log
     assert "is off" not in log and "are not loaded" not in log
 
 
@@ -217,7 +217,7 @@ def test_short_mixed_soak_leaves_nothing_behind(server):
     assert all(s["idle"] for s in report["serial_disconnects"]), report["serial_disconnects"]
     state = report["state_at_end"]
     assert state["requests_active"] == 0 and state["paths_in_flight"] == 0
-    assert state["client_ids_held"] == 0
+    assert state["client_ids_held"] == 0 and state["planners_held"] == 0
     assert server.alive() and server.health() == 200
     assert "Traceback" not in server.log_text()
 
@@ -287,3 +287,25 @@ def test_messages_to_a_model_without_a_chat_template_get_a_400():
     assert e.value.param == "messages" and "no chat template" in str(e.value)
     req, *_ = parse_request({"prompt": "Question: 2+2?\nAnswer:", "n": 2}, Limits())
     assert endpoint._render(st, req) == [[1, 1, 1]]  # a prompt needs no template
+
+
+def test_idle_rows_go_to_any_run_or_to_older_runs_first():
+    from argparse import Namespace
+    from types import SimpleNamespace
+
+    from consensus_spec.sampling.waves import PathPlanner, Schedule
+    from consensus_spec.server import endpoint
+    from consensus_spec.server.protocol import Limits
+
+    plan = PathPlanner(1, 8, Schedule(waves=(2,), capacity=8), idle_rows=lambda: 0)
+    assert len(plan.admit()) == 2 and plan.rows_wanted() == 6  # its unopened paths
+    plan = PathPlanner(1, 8, Schedule(waves=(2,), capacity=4), idle_rows=lambda: 0)
+    plan.admit()
+    assert plan.rows_wanted() == 2  # up to its free capacity
+    engine = SimpleNamespace(model_config=SimpleNamespace(max_model_len=512))
+    for mode, young in (("any", 20), ("oldest", 20 - 6)):
+        st = endpoint._State(engine, Namespace(), Limits(idle_fill=mode), 32)
+        st.runs.update(old=8, young=4)  # 20 rows idle
+        st.wants.update(old=lambda: 6, young=lambda: 9)
+        assert st.idle_rows("old") == 20 and st.idle_rows("young") == young
+        assert st.snapshot()["limits"]["idle_fill"] == mode

@@ -52,6 +52,7 @@ async def run_paths_async(
     on_problem_done: Callable[[int, PathBook], None] | None = None,
     on_submit: Callable[[int], None] | None = None,
     idle_rows: Callable[[], int] | None = None,
+    on_start: Callable[[PathBook], None] | None = None,
 ) -> SelfConsistencyRun:
     """Sample up to ``n`` paths per prompt through ``generate``, in waves, and vote.
 
@@ -65,10 +66,13 @@ async def run_paths_async(
     batch of paths sent (for a caller's count of in-flight requests;
     negative when they end).
     ``idle_rows()``: engine rows idle now, for an engine shared with other
-    runs (see :class:`~consensus_spec.sampling.waves.PathPlanner`).
+    runs (see :class:`~consensus_spec.sampling.waves.PathPlanner`);
+    ``on_start(book)`` sees the run's :class:`PathBook` before any path is sent.
     """
     schedule, voting = check_run_options(schedule, stop_rule, voting)
     book = PathBook(len(prompts), n, schedule, stop_rule, voting, max_tokens, on_vote, idle_rows)
+    if on_start is not None:
+        on_start(book)
     run_id = run_id or uuid.uuid4().hex[:12]
     rid = lambda p, k: f"{run_id}-{p}-{k}"  # noqa: E731
     events: asyncio.Queue = asyncio.Queue()

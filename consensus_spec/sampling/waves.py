@@ -317,6 +317,12 @@ class PathPlanner:
         st = self.problems.get(p)
         return 0 if st is None else st.wave + 1
 
+    def rows_wanted(self) -> int:
+        """Rows idle fill would take now if they were idle: the unopened
+        paths of running problems, up to this run's free capacity."""
+        want = sum(self.n - self.problems[p].opened for p in self._unopened)
+        return int(min(self._free(), want)) if self.schedule.fill_idle else 0
+
     def num_unsent(self, p: int) -> int:
         """Paths of ``p`` that were never submitted (all of them if not admitted)."""
         st = self.problems.get(p)

@@ -29,6 +29,9 @@ Idle fill (later waves started early) counts rows idle server-wide: a
 request opens early waves only into rows no self-consistency path holds,
 so under load waves run one after another and early stop saves their
 tokens, and on a quiet server they overlap and the answer comes sooner.
+``CONSENSUS_SPEC_SC_IDLE_FILL``: ``any`` (default) gives idle rows to
+whichever run asks; ``oldest`` to older runs first, the problems whose
+votes have not settled (a shorter latency tail, fewer answers per second).
 """
 
 # no "from __future__ import annotations": FastAPI reads the route's Request annotation
@@ -42,7 +45,7 @@ import sys
 import time
 import uuid
 from argparse import Namespace
-from typing import Any
+from typing import Any, Callable
 
 from .protocol import BadRequest, Limits, SelfConsistencyRequest, is_many, parse_request, problem_json
 
@@ -52,6 +55,9 @@ PLUGIN_NAME = "consensus_spec_self_consistency"
 FIXES_PLUGIN = "consensus_spec_vllm_cpu_fixes"
 ROUTE = "/v1/self_consistency"
 ENABLE = f"VLLM_PLUGINS={FIXES_PLUGIN},{PLUGIN_NAME}"
+
+
+IDLE_FILL = ("any", "oldest")  # CONSENSUS_SPEC_SC_IDLE_FILL
 
 
 def _env_int(name: str, default: int) -> int:
@@ -107,14 +113,25 @@ class _State:
         self.chat_template = getattr(args, "chat_template", None)
         self.runs: dict[str, int] = {}  # run id -> paths in the engine now
         self.client_ids: dict[str, str] = {}  # run id -> the client's X-Request-Id
+        self.wants: dict[str, Callable[[], int]] = {}  # run id -> rows its idle fill would take
         self.requests_total = 0
         self.requests_unfinished = 0  # failed, or cancelled by a client that left
         self.ids = itertools.count()
 
-    def idle_rows(self) -> int:
-        """Batch rows no self-consistency path holds (other routes' requests
-        are not counted): what idle fill may open early waves into."""
-        return self.max_num_seqs - sum(self.runs.values())
+    def idle_rows(self, run_id: str) -> int:
+        """Rows ``run_id``'s idle fill may open early waves into: the batch
+        rows no self-consistency path holds (other routes' requests are not
+        counted); with ``idle_fill="oldest"``, less what older runs would take
+        first (the runs still going are the problems whose votes have not
+        settled: a shorter tail of latency, at some throughput)."""
+        idle = self.max_num_seqs - sum(self.runs.values())
+        if self.limits.idle_fill != "oldest":
+            return idle
+        for other, wanted in self.wants.items():  # oldest first
+            if other == run_id or idle <= 0:
+                break
+            idle -= wanted()
+        return idle
 
     def snapshot(self, client_id: str | None = None) -> dict:
         """Counts; with ``client_id``, only the runs of requests that sent it
@@ -124,9 +141,12 @@ class _State:
             return {"request_id": client_id, "requests_active": len(mine),
                     "paths_in_flight": sum(self.runs.get(r, 0) for r in mine)}
         return {"requests_active": len(self.runs), "paths_in_flight": sum(self.runs.values()),
-                "client_ids_held": len(self.client_ids), "requests_total": self.requests_total, "requests_unfinished": self.requests_unfinished,
+                "client_ids_held": len(self.client_ids), "planners_held": len(self.wants),
+                "requests_total": self.requests_total,
+                "requests_unfinished": self.requests_unfinished,
                 "limits": {"max_n": self.limits.max_n, "max_prompts": self.limits.max_prompts,
-                           "max_inflight": self.limits.max_inflight}}
+                           "max_inflight": self.limits.max_inflight,
+                           "idle_fill": self.limits.idle_fill}}
 
 
 class SelfConsistencyPlugin:
@@ -159,13 +179,19 @@ class SelfConsistencyPlugin:
             return  # render-only server: the route answers 503
         sched = getattr(getattr(engine_client, "vllm_config", None), "scheduler_config", None)
         max_seqs = getattr(sched, "max_num_seqs", None) or 256
+        idle_fill = os.environ.get("CONSENSUS_SPEC_SC_IDLE_FILL", "any")
+        if idle_fill not in IDLE_FILL:
+            logger.warning("consensus_spec: CONSENSUS_SPEC_SC_IDLE_FILL=%r is not one of %s; "
+                           "using 'any'", idle_fill, IDLE_FILL)
+            idle_fill = "any"
         limits = Limits(max_n=_env_int("CONSENSUS_SPEC_SC_MAX_N", 64),
                         max_prompts=_env_int("CONSENSUS_SPEC_SC_MAX_PROMPTS", 64),
-                        max_inflight=_env_int("CONSENSUS_SPEC_SC_MAX_INFLIGHT", max(1, max_seqs // 2)))
+                        max_inflight=_env_int("CONSENSUS_SPEC_SC_MAX_INFLIGHT", max(1, max_seqs // 2)),
+                        idle_fill=idle_fill)
         state.consensus_sc = _State(engine_client, args, limits, max_seqs)
         logger.info("consensus_spec: POST %s served (max n %d, %d problems a request, "
-                    "%d paths in flight a request)", ROUTE, limits.max_n, limits.max_prompts,
-                    limits.max_inflight)
+                    "%d paths in flight a request, idle fill %s)", ROUTE, limits.max_n,
+                    limits.max_prompts, limits.max_inflight, limits.idle_fill)
 
 
 def plugin() -> SelfConsistencyPlugin:
@@ -285,13 +311,15 @@ async def handle(raw_request):
                 st.engine.abort, prompts, make_params, req.n, schedule=schedule,
                 stop_rule=stop_rule, voting=voting, max_tokens=max_tokens, delta=False,
                 run_id=run_id, on_vote=on_vote, on_problem_done=on_problem_done,
-                on_submit=on_submit, idle_rows=st.idle_rows)
+                on_submit=on_submit, idle_rows=lambda: st.idle_rows(run_id),
+                on_start=lambda book: st.wants.__setitem__(run_id, book.planner.rows_wanted))
         except BaseException:
             st.requests_unfinished += 1
             raise
         finally:
             st.runs.pop(run_id, None)
             st.client_ids.pop(run_id, None)
+            st.wants.pop(run_id, None)
         problems = [problem_json(r, req.n, stop_rule, req.return_paths) for r in result]
         out = {"id": run_id, "object": "self_consistency", "created": created,
                "model": st.model_names[0] if st.model_names else None,

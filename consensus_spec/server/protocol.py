@@ -45,6 +45,7 @@ class Limits:
     max_n: int = 64
     max_prompts: int = 64
     max_inflight: int = 128  # paths of one request in the engine at once
+    idle_fill: str = "any"  # "any": idle rows to whichever run asks; "oldest": older runs first
 
 
 class _Strict(BaseModel):
