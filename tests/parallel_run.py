@@ -36,7 +36,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,8 @@ import time
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
+
+from evals.math.servers import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEC = {"method": "custom_class", "model": "consensus_spec.ConsensusProposer",
@@ -100,12 +101,6 @@ def prompts(count: int, offset: int = 0) -> list[str]:
     from consensus_spec.model.synthetic import format_prompt, test_set
     probs = test_set(offset + count)
     return [format_prompt(p["question"]) for p in probs[offset:offset + count]]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stop_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:

@@ -40,7 +40,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,8 +48,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from evals.math.servers import HOST, free_port, process_tree  # one definition, shared with evals
+
 ROOT = Path(__file__).resolve().parent.parent
-HOST = "127.0.0.1"
 MAX_MODEL_LEN = 512
 SERVED_NAME = "consensus-tiny"
 HEALTH_TIMEOUT_S = 480.0  # start-up takes 20-60 s idle, several minutes on a loaded box
@@ -107,12 +107,6 @@ EXTENSION = f"{__name__ if __name__ != '__main__' else 'tests.server_soak'}.Prop
 
 # --------------------------------------------------------------------------
 # Server process
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def model_path() -> str:
@@ -304,20 +298,6 @@ class Server:
 # Memory: RSS of a process tree
 
 
-def _children() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        kids.setdefault(ppid, []).append(int(entry))
-    return kids
-
-
 def process_group(pgid: int) -> list[int]:
     """Live (non-zombie) processes whose process group is ``pgid``."""
     out = []
@@ -331,15 +311,6 @@ def process_group(pgid: int) -> list[int]:
         if int(fields[2]) == pgid and fields[0] != "Z":
             out.append(int(entry))
     return out
-
-
-def process_tree(pid: int) -> list[int]:
-    kids, tree, todo = _children(), [], [pid]
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo.extend(kids.get(p, []))
-    return tree
 
 
 def rss_kb(pid: int) -> int:

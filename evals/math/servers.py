@@ -22,7 +22,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _tree(pid: int) -> list[int]:
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its live descendants, read from /proc."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -43,7 +44,7 @@ def _tree(pid: int) -> list[int]:
 def tree_cpu_s(pid: int) -> float:
     """user + system CPU seconds of ``pid`` and its live descendants."""
     tick, total = os.sysconf("SC_CLK_TCK"), 0
-    for p in _tree(pid):
+    for p in process_tree(pid):
         try:
             with open(f"/proc/{p}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
