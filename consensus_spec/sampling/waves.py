@@ -218,24 +218,19 @@ class PathPlanner:
         if not (self.schedule.fill_idle and self.capacity is not None
                 and self.next_problem == self.num_problems):  # unbounded: no rows idle
             return out
-        if self.idle_rows is None:
-            while self._free() > 0 and self._unopened:
-                for p in list(self._unopened):  # one wave each, oldest first
-                    if self._free() <= 0:
-                        break
-                    self._open_next(p)
-                out += self._send_ready()
-        else:  # an engine shared with other runs: only the rows idle engine-wide
-            spare = min(self._free(), self.idle_rows() - len(out))
-            opened = 1
-            while spare > 0 and self._unopened and opened:
-                opened = 0
-                for p in list(self._unopened):  # one wave each, oldest first
-                    if spare <= 0:
-                        break
-                    size = self._open_next(p)
-                    spare, opened = spare - size, opened + size
+        spare = self._free()  # own capacity; on a shared engine only the rows idle engine-wide
+        if self.idle_rows is not None:
+            spare = min(spare, self.idle_rows() - len(out))
+        while spare > 0 and self._unopened:
+            opened = 0
+            for p in list(self._unopened):  # one wave each, oldest first
+                if spare <= 0:
+                    break
+                size = self._open_next(p)
+                spare, opened = spare - size, opened + size
             out += self._send_ready()
+            if not opened:
+                break  # nothing left to open: never spin
         return out
 
     def on_finish(self, p: int, path: int, answer: Any) -> tuple[list, list]:
