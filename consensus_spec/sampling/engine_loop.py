@@ -203,8 +203,7 @@ class PathBook:
         self.max_tokens = max_tokens
         self.samples: dict[int, dict[int, Sample]] = {i: {} for i in range(num)}
         self.accs: dict[tuple[int, int], _Accumulator] = {}  # running paths
-        self.aborted: dict[tuple[int, int], _Accumulator] = {}  # may still get a final output
-        self.cancelled: dict[int, list[_Accumulator]] = {i: [] for i in range(num)}  # per cancelled path
+        self.aborted: dict[int, dict[int, _Accumulator]] = {}  # may still get a final output
         self.last_look: dict[int, tuple[int, int]] = {}  # problem -> (paths voted, remaining) at its last vote
 
         def stop_check(p: int, answers: list, remaining: int) -> bool:
@@ -217,10 +216,6 @@ class PathBook:
         self.planner = PathPlanner(num, n, schedule, stop_check if stop_rule is not None else None,
                                    idle_rows)
 
-    @property
-    def running(self) -> list[tuple[int, int]]:
-        return list(self.accs)
-
     def admit(self) -> list[tuple[int, int]]:
         """Paths to submit now (see :meth:`PathPlanner.admit`)."""
         return self._started(self.planner.admit())
@@ -231,7 +226,7 @@ class PathBook:
         final output an async engine sends on abort) still counts its tokens."""
         acc = self.accs.get(key)
         if acc is None:
-            late = self.aborted.get(key)
+            late = self.aborted.get(key[0], {}).get(key[1])
             if late is not None:
                 late.update(completion, delta)
             return False
@@ -246,13 +241,9 @@ class PathBook:
         acc = self.accs.pop(key)
         self.samples[p][k] = Sample(k, acc.text, self.voting.extract(acc.text), acc.num_tokens,
                                     acc.cumulative_logprob, acc.finish_reason)
-        was_stopped = p in self.planner.stopped
         to_submit, to_abort = self.planner.on_finish(p, k, self.samples[p][k].answer)
         for a in to_abort:
-            self.aborted[a] = self.accs.pop(a)
-            self.cancelled[a[0]].append(self.aborted[a])
-        if p in self.planner.stopped and not was_stopped:  # never-sent paths: cancelled at 0 tokens
-            self.cancelled[p] += [_Accumulator() for _ in range(self.planner.num_unsent(p))]
+            self.aborted.setdefault(a[0], {})[a[1]] = self.accs.pop(a)
         return self._started(to_submit), to_abort
 
     def _started(self, paths: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -263,8 +254,12 @@ class PathBook:
     def done(self, p: int) -> bool:
         return self.planner.done(p)
 
-    def vote_of(self, p: int) -> tuple[VoteResult, list[float] | None]:
-        done = [self.samples[p][k] for k in sorted(self.samples[p])]
+    def _finished(self, p: int) -> list[Sample]:
+        return [self.samples[p][k] for k in sorted(self.samples[p])]
+
+    def vote_of(self, p: int,
+                done: list[Sample] | None = None) -> tuple[VoteResult, list[float] | None]:
+        done = self._finished(p) if done is None else done
         weights = None
         if self.voting.weighted:  # a zero-token path has no mean logprob: weight 0
             lps = [-math.inf if s.mean_logprob is None else s.mean_logprob for s in done]
@@ -272,9 +267,12 @@ class PathBook:
         return majority_vote([s.answer for s in done], weights, self.voting.timeout_s), weights
 
     def result(self, p: int) -> ProblemResult:
-        vote, weights = self.vote_of(p)
-        done = [self.samples[p][k] for k in sorted(self.samples[p])]
-        cancelled = [acc.num_tokens for acc in self.cancelled[p]]
+        done = self._finished(p)
+        vote, weights = self.vote_of(p, done)
+        # cancelled: the aborted paths, and at 0 tokens the paths a stop left unsent
+        cancelled = [acc.num_tokens for acc in self.aborted.get(p, {}).values()]
+        if p in self.planner.stopped:
+            cancelled += [0] * self.planner.num_unsent(p)
         return ProblemResult(
             index=p,
             vote=vote,
