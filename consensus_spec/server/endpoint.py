@@ -36,7 +36,6 @@ votes have not settled (a shorter latency tail, fewer answers per second).
 
 # no "from __future__ import annotations": FastAPI reads the route's Request annotation
 import asyncio
-import itertools
 import json
 import logging
 import multiprocessing
@@ -45,6 +44,7 @@ import sys
 import time
 import uuid
 from argparse import Namespace
+from collections import Counter
 from typing import Any, Callable
 
 from .protocol import BadRequest, Limits, SelfConsistencyRequest, is_many, parse_request, problem_json
@@ -55,8 +55,6 @@ PLUGIN_NAME = "consensus_spec_self_consistency"
 FIXES_PLUGIN = "consensus_spec_vllm_cpu_fixes"
 ROUTE = "/v1/self_consistency"
 ENABLE = f"VLLM_PLUGINS={FIXES_PLUGIN},{PLUGIN_NAME}"
-
-
 IDLE_FILL = ("any", "oldest")  # CONSENSUS_SPEC_SC_IDLE_FILL
 
 
@@ -116,7 +114,6 @@ class _State:
         self.wants: dict[str, Callable[[], int]] = {}  # run id -> rows its idle fill would take
         self.requests_total = 0
         self.requests_unfinished = 0  # failed, or cancelled by a client that left
-        self.ids = itertools.count()
 
     def idle_rows(self, run_id: str) -> int:
         """Rows ``run_id``'s idle fill may open early waves into: the batch
@@ -281,13 +278,10 @@ async def handle(raw_request):
 
     def on_vote(p: int, answers: list, remaining: int, stop: bool) -> None:
         if events is not None:
-            counts: dict[str, int] = {}
-            for a in answers:
-                if a is not None:
-                    counts[a] = counts.get(a, 0) + 1
             events.put_nowait({"object": "self_consistency.vote", "index": p,
                                "paths_voted": len(answers), "remaining": remaining,
-                               "votes": counts, "stop": stop})
+                               "votes": dict(Counter(a for a in answers if a is not None)),
+                               "stop": stop})
 
     def on_problem_done(p: int, book) -> None:
         if events is not None:
