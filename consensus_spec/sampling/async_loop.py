@@ -53,6 +53,7 @@ async def run_paths_async(
     on_submit: Callable[[int], None] | None = None,
     idle_rows: Callable[[], int] | None = None,
     on_start: Callable[[PathBook], None] | None = None,
+    run_ahead: Any = None,
 ) -> SelfConsistencyRun:
     """Sample up to ``n`` paths per prompt through ``generate``, in waves, and vote.
 
@@ -67,10 +68,13 @@ async def run_paths_async(
     negative when they end).
     ``idle_rows()``: engine rows idle now, for an engine shared with other
     runs (see :class:`~consensus_spec.sampling.waves.PathPlanner`);
-    ``on_start(book)`` sees the run's :class:`PathBook` before any path is sent.
+    ``on_start(book)`` sees the run's :class:`PathBook` before any path is sent;
+    ``run_ahead`` (a :class:`~consensus_spec.sampling.run_ahead.RunAhead`)
+    decides which later waves idle rows start early.
     """
     schedule, voting = check_run_options(schedule, stop_rule, voting)
-    book = PathBook(len(prompts), n, schedule, stop_rule, voting, max_tokens, on_vote, idle_rows)
+    book = PathBook(len(prompts), n, schedule, stop_rule, voting, max_tokens, on_vote, idle_rows,
+                    run_ahead)
     if on_start is not None:
         on_start(book)
     run_id = run_id or uuid.uuid4().hex[:12]

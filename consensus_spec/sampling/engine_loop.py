@@ -192,13 +192,14 @@ class PathBook:
     The loops only move outputs in and requests out: :meth:`admit` and
     :meth:`finish` return the (problem, path) keys to submit and to abort.
     ``on_vote(problem, answers, remaining, stop)`` is told every stop vote
-    the planner takes (e.g. to stream it); ``idle_rows`` goes to the planner.
+    the planner takes (e.g. to stream it); ``idle_rows`` and ``run_ahead``
+    go to the planner.
     """
 
     def __init__(self, num: int, n: int, schedule: Schedule, stop_rule: StopRule | None,
                  voting: Voting, max_tokens: int,
                  on_vote: Callable[[int, list, int, bool], None] | None = None,
-                 idle_rows: Callable[[], int] | None = None):
+                 idle_rows: Callable[[], int] | None = None, run_ahead: Any = None):
         self.n, self.schedule, self.stop_rule, self.voting = n, schedule, stop_rule, voting
         self.max_tokens = max_tokens
         self.samples: dict[int, dict[int, Sample]] = {i: {} for i in range(num)}
@@ -214,7 +215,7 @@ class PathBook:
             return stop
 
         self.planner = PathPlanner(num, n, schedule, stop_check if stop_rule is not None else None,
-                                   idle_rows)
+                                   idle_rows, run_ahead)
 
     def admit(self) -> list[tuple[int, int]]:
         """Paths to submit now (see :meth:`PathPlanner.admit`)."""

@@ -176,12 +176,15 @@ class PathPlanner:
     opens no more waves and its running paths are returned to abort.
     ``idle_rows()`` (optional) says how many engine rows sit idle when the
     engine is shared with other runs (a server): idle fill then opens waves
-    only for those, not for all of this run's free capacity.
+    only for those, not for all of this run's free capacity.  ``run_ahead``
+    (optional, a :class:`~consensus_spec.sampling.run_ahead.RunAhead`)
+    decides which of those waves pay for their rows: the ones the stop
+    rule is likely to need, while that likelihood beats what a row costs.
     """
 
     def __init__(self, num_problems: int, n: int, schedule: Schedule | None = None,
                  stop_check: StopCheck | None = None,
-                 idle_rows: Callable[[], int] | None = None):
+                 idle_rows: Callable[[], int] | None = None, run_ahead: Any = None):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be an int >= 1, got {n!r}")
         if num_problems < 0:
@@ -191,6 +194,7 @@ class PathPlanner:
         self.capacity = self.schedule.capacity
         self.stop_check = stop_check
         self.idle_rows = idle_rows  # None: rows this run's capacity leaves free are idle
+        self.run_ahead = run_ahead
         self.sizes = self.schedule.sizes(n)
         self.ends = list(itertools.accumulate(self.sizes))  # one past each wave's last path
         self.problems: dict[int, _Problem] = {}
@@ -221,6 +225,8 @@ class PathPlanner:
         spare = self._free()  # own capacity; on a shared engine only the rows idle engine-wide
         if self.idle_rows is not None:
             spare = min(spare, self.idle_rows() - len(out))
+        if self.run_ahead is not None:
+            return out + self._run_ahead(int(spare), len(out)) if spare > 0 else out
         while spare > 0 and self._unopened:
             opened = 0
             for p in list(self._unopened):  # one wave each, oldest first
@@ -273,6 +279,41 @@ class PathPlanner:
                     check(p, [a for k, a in zip(st.paths, st.answers) if k < upto], self.n - upto):
                 return True
         return False
+
+    def _run_ahead(self, spare: int, sending: int) -> list[tuple[int, int]]:
+        """Open the waves run-ahead finds worth their rows (see
+        :class:`~consensus_spec.sampling.run_ahead.RunAhead`)."""
+        ahead: dict[int, int] = {}  # problem -> waves chosen beyond its open ones
+
+        def candidate(p: int):
+            st = self.problems[p]
+            j = st.wave + 1 + ahead.get(p, 0)
+            if j >= len(self.sizes):
+                return None
+            return self.run_ahead.worth(st.answers, self._looks(st, j), self.n), self.sizes[j]
+
+        def following(p: int):
+            ahead[p] = ahead.get(p, 0) + 1
+            return candidate(p)
+
+        first = [(c[0], c[1], p) for p in self._unopened if (c := candidate(p)) is not None]
+        if not first:
+            return []
+        costs = self.run_ahead.costs
+        engine_rows = costs.rows() if costs is not None else 0
+        rows = max(engine_rows, self.num_inflight - sending) + sending
+        for p in self.run_ahead.choose(first, spare, rows, following):
+            self._open_next(p)
+        return self._send_ready()
+
+    def _looks(self, st: _Problem, j: int) -> list[int]:
+        """The looks (paths voted at each) still to come before wave ``j``
+        is needed: after each wave from the next due up to ``j - 1``, or
+        after every path with ``check="path"``."""
+        last = self.ends[j - 1]
+        if self.schedule.check == "path":
+            return list(range(len(st.answers) + 1, min(last, self.n - 1) + 1))
+        return [self.ends[c] for c in range(st.checked, j) if self.ends[c] < self.n]
 
     def _open_next(self, p: int) -> int:
         """Open problem ``p``'s next wave; returns its size (0: none left)."""
