@@ -54,6 +54,7 @@ async def run_paths_async(
     idle_rows: Callable[[], int] | None = None,
     on_start: Callable[[PathBook], None] | None = None,
     run_ahead: Any = None,
+    keep_outputs: bool = False,
 ) -> SelfConsistencyRun:
     """Sample up to ``n`` paths per prompt through ``generate``, in waves, and vote.
 
@@ -70,11 +71,12 @@ async def run_paths_async(
     runs (see :class:`~consensus_spec.sampling.waves.PathPlanner`);
     ``on_start(book)`` sees the run's :class:`PathBook` before any path is sent;
     ``run_ahead`` (a :class:`~consensus_spec.sampling.run_ahead.RunAhead`)
-    decides which later waves idle rows start early.
+    decides which later waves idle rows start early; ``keep_outputs``
+    keeps each path's token ids and logprobs.
     """
     schedule, voting = check_run_options(schedule, stop_rule, voting)
     book = PathBook(len(prompts), n, schedule, stop_rule, voting, max_tokens, on_vote, idle_rows,
-                    run_ahead)
+                    run_ahead, keep_outputs)
     if on_start is not None:
         on_start(book)
     run_id = run_id or uuid.uuid4().hex[:12]

@@ -148,15 +148,20 @@ def spec_stats_delta(before: dict[str, int] | None, after: dict[str, int] | None
 
 
 class _Accumulator:
-    """Collects one request's output; handles DELTA and FINAL_ONLY outputs."""
+    """Collects one request's output; handles DELTA and FINAL_ONLY outputs.
+    ``keep``: also its token ids and logprobs (for a response that returns them)."""
 
-    __slots__ = ("texts", "num_tokens", "cumulative_logprob", "finish_reason")
+    __slots__ = ("texts", "num_tokens", "cumulative_logprob", "finish_reason", "stop_reason",
+                 "token_ids", "logprobs")
 
-    def __init__(self) -> None:
+    def __init__(self, keep: bool = False) -> None:
         self.texts: list[str] = []
         self.num_tokens = 0
         self.cumulative_logprob: float | None = None
         self.finish_reason: str | None = None
+        self.stop_reason = None
+        self.token_ids: list[int] | None = [] if keep else None
+        self.logprobs: list | None = [] if keep else None
 
     def update(self, completion, delta: bool) -> None:
         if delta:
@@ -165,8 +170,15 @@ class _Accumulator:
         else:
             self.texts = [completion.text]
             self.num_tokens = len(completion.token_ids)
+        if self.token_ids is not None:
+            if not delta:
+                self.token_ids, self.logprobs = [], []
+            self.token_ids.extend(completion.token_ids)
+            if completion.logprobs:
+                self.logprobs.extend(completion.logprobs)
         self.cumulative_logprob = completion.cumulative_logprob  # running total
         self.finish_reason = completion.finish_reason
+        self.stop_reason = getattr(completion, "stop_reason", None)
 
     @property
     def text(self) -> str:
@@ -193,14 +205,17 @@ class PathBook:
     :meth:`finish` return the (problem, path) keys to submit and to abort.
     ``on_vote(problem, answers, remaining, stop)`` is told every stop vote
     the planner takes (e.g. to stream it); ``idle_rows`` and ``run_ahead``
-    go to the planner.
+    go to the planner; ``keep_outputs`` keeps each path's token ids and
+    logprobs in its :class:`Sample`.
     """
 
     def __init__(self, num: int, n: int, schedule: Schedule, stop_rule: StopRule | None,
                  voting: Voting, max_tokens: int,
                  on_vote: Callable[[int, list, int, bool], None] | None = None,
-                 idle_rows: Callable[[], int] | None = None, run_ahead: Any = None):
+                 idle_rows: Callable[[], int] | None = None, run_ahead: Any = None,
+                 keep_outputs: bool = False):
         self.n, self.schedule, self.stop_rule, self.voting = n, schedule, stop_rule, voting
+        self.keep_outputs = keep_outputs
         self.max_tokens = max_tokens
         self.samples: dict[int, dict[int, Sample]] = {i: {} for i in range(num)}
         self.accs: dict[tuple[int, int], _Accumulator] = {}  # running paths
@@ -241,7 +256,8 @@ class PathBook:
         p, k = key
         acc = self.accs.pop(key)
         self.samples[p][k] = Sample(k, acc.text, self.voting.extract(acc.text), acc.num_tokens,
-                                    acc.cumulative_logprob, acc.finish_reason)
+                                    acc.cumulative_logprob, acc.finish_reason, acc.stop_reason,
+                                    acc.token_ids, acc.logprobs or None)
         to_submit, to_abort = self.planner.on_finish(p, k, self.samples[p][k].answer)
         for a in to_abort:
             self.aborted.setdefault(a[0], {})[a[1]] = self.accs.pop(a)
@@ -249,7 +265,7 @@ class PathBook:
 
     def _started(self, paths: list[tuple[int, int]]) -> list[tuple[int, int]]:
         for key in paths:
-            self.accs[key] = _Accumulator()
+            self.accs[key] = _Accumulator(self.keep_outputs)
         return paths
 
     def done(self, p: int) -> bool:

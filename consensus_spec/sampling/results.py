@@ -18,6 +18,9 @@ class Sample:
     num_tokens: int
     cumulative_logprob: float | None  # None unless logprobs were requested
     finish_reason: str | None = None
+    stop_reason: Any = None  # the stop string or token id that ended it (vLLM's)
+    token_ids: list[int] | None = None  # kept only when the caller asks (a server's response)
+    logprobs: list | None = None  # per token, vLLM's {token id: Logprob}; kept likewise
 
     @property
     def mean_logprob(self) -> float | None:

@@ -128,6 +128,13 @@ class RunAheadStats:
     last_kappa: float | None = None
     last_rows: int | None = None
 
+    def merge(self, other: "RunAheadStats") -> None:
+        self.opened += other.opened
+        self.declined += other.declined
+        self.worth_sum += other.worth_sum
+        if other.last_kappa is not None:
+            self.last_kappa, self.last_rows = other.last_kappa, other.last_rows
+
     def as_dict(self) -> dict:
         return {"opened": self.opened, "declined": self.declined,
                 "mean_worth_opened": round(self.worth_sum / self.opened, 4) if self.opened else None,

@@ -12,13 +12,17 @@ server is started with::
 :func:`startup_check` (run by the fixes plugin at start-up) and the plugin
 itself log one line for whichever half is missing.
 
-A request is parsed by :mod:`consensus_spec.server.protocol`, its prompts
-rendered and length-checked here, and its paths run by
-:func:`~consensus_spec.sampling.async_loop.run_paths_async` against the
-server's engine client: waves as sibling requests of one prompt (consensus
-drafting sees them), the stop rule after each wave, aborts of a stopped
-problem's paths.  A client that goes away cancels the run, which aborts
-every path it started.
+Routes: ``POST /v1/self_consistency`` (this module: the library's own
+request and response, :mod:`.protocol`), ``POST
+/v1/self_consistency/completions`` and ``.../chat/completions`` (the OpenAI
+shapes, :mod:`.openai_routes`), ``GET /v1/self_consistency/state``.  Each
+runs its paths through :mod:`.runs` against the server's engine client:
+waves as sibling requests of one prompt (consensus drafting sees them),
+the stop rule after each wave, aborts of a stopped problem's paths; a
+client that goes away cancels the run, which aborts every path it started.
+Later waves start early where they pay (:mod:`consensus_spec.sampling.run_ahead`),
+by the engine's step cost measured in this process (:mod:`.step_costs`);
+``CONSENSUS_SPEC_SC_RUN_AHEAD=idle`` restores starting them into any idle row.
 
 Limits, from the server's environment: ``CONSENSUS_SPEC_SC_MAX_N`` (paths
 per problem, default 64), ``CONSENSUS_SPEC_SC_MAX_PROMPTS`` (problems per
@@ -32,6 +36,8 @@ tokens, and on a quiet server they overlap and the answer comes sooner.
 ``CONSENSUS_SPEC_SC_IDLE_FILL``: ``any`` (default) gives idle rows to
 whichever run asks; ``oldest`` to older runs first, the problems whose
 votes have not settled (a shorter latency tail, fewer answers per second).
+``CONSENSUS_SPEC_SC_DEFAULTS``: the server's defaults for the run options
+(a JSON object, see :mod:`.options`).
 """
 
 # no "from __future__ import annotations": FastAPI reads the route's Request annotation
@@ -42,20 +48,22 @@ import multiprocessing
 import os
 import sys
 import time
-import uuid
 from argparse import Namespace
 from collections import Counter
-from typing import Any, Callable
+from typing import Callable
 
-from .protocol import BadRequest, Limits, SelfConsistencyRequest, is_many, parse_request, problem_json
+from ..sampling.run_ahead import RunAheadStats
+from . import PLUGIN_NAME, ROUTE
+from .options import BadRequest, Limits, parse_defaults
+from .protocol import SelfConsistencyRequest, is_many, parse_request, problem_json
+from .runs import error, new_run_id, run_request, sse, until_disconnect
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handler and format
 
-PLUGIN_NAME = "consensus_spec_self_consistency"
 FIXES_PLUGIN = "consensus_spec_vllm_cpu_fixes"
-ROUTE = "/v1/self_consistency"
 ENABLE = f"VLLM_PLUGINS={FIXES_PLUGIN},{PLUGIN_NAME}"
 IDLE_FILL = ("any", "oldest")  # CONSENSUS_SPEC_SC_IDLE_FILL
+RUN_AHEAD = ("measured", "idle")  # CONSENSUS_SPEC_SC_RUN_AHEAD
 
 
 def _env_int(name: str, default: int) -> int:
@@ -100,10 +108,23 @@ class _State:
     """Per-server state: the engine client, limits, and the live runs (counted
     for ``GET /v1/self_consistency/state`` and the soak test)."""
 
-    def __init__(self, engine_client, args: Namespace, limits: Limits, max_num_seqs: int):
+    def __init__(self, engine_client, args: Namespace, limits: Limits, max_num_seqs: int,
+                 defaults: dict | None = None, run_ahead: str = "measured", costs=None,
+                 renderer=None):
         self.engine = engine_client
         self.limits = limits
         self.max_num_seqs = max_num_seqs
+        self.defaults = defaults or {}
+        self.measured_run_ahead = run_ahead == "measured"
+        self.costs = costs  # EngineStepCosts (step_costs.py)
+        self.renderer = renderer  # vLLM's OnlineRenderer (the OpenAI-shaped routes)
+        self.run_ahead_total = RunAheadStats()
+        mc = engine_client.model_config
+        self.default_sampling_params = mc.get_diff_sampling_param()  # as vLLM's routes take them
+        self.override_max_tokens = (
+            self.default_sampling_params.get("max_tokens")
+            if getattr(mc, "generation_config", "auto") not in ("auto", "vllm")
+            else (getattr(mc, "override_generation_config", None) or {}).get("max_new_tokens"))
         model = getattr(args, "model", None)
         names = getattr(args, "served_model_name", None) or ([model] if model else [])
         self.model_names = [names] if isinstance(names, str) else list(names)
@@ -121,7 +142,10 @@ class _State:
         counted); with ``idle_fill="oldest"``, less what older runs would take
         first (the runs still going are the problems whose votes have not
         settled: a shorter tail of latency, at some throughput)."""
-        idle = self.max_num_seqs - sum(self.runs.values())
+        held = sum(self.runs.values())
+        if self.costs is not None and self.costs.measured:  # every route's rows, not only ours
+            held = max(held, self.costs.rows())
+        idle = self.max_num_seqs - held
         if self.limits.idle_fill != "oldest":
             return idle
         for other, wanted in self.wants.items():  # oldest first
@@ -143,7 +167,11 @@ class _State:
                 "requests_unfinished": self.requests_unfinished,
                 "limits": {"max_n": self.limits.max_n, "max_prompts": self.limits.max_prompts,
                            "max_inflight": self.limits.max_inflight,
-                           "idle_fill": self.limits.idle_fill}}
+                           "idle_fill": self.limits.idle_fill},
+                "defaults": self.defaults,
+                "run_ahead": {"mode": "measured" if self.measured_run_ahead else "idle",
+                              **self.run_ahead_total.as_dict()},
+                "step_costs": self.costs.summary() if self.costs is not None else None}
 
 
 class SelfConsistencyPlugin:
@@ -162,9 +190,13 @@ class SelfConsistencyPlugin:
     def attach_router(self, app) -> None:
         from fastapi import Request
 
+        from .openai_routes import attach
+
         @app.post(ROUTE)
         async def self_consistency(raw_request: Request):
             return await handle(raw_request)
+
+        attach(app, ROUTE)
 
         @app.get(ROUTE + "/state")
         async def self_consistency_state(raw_request: Request, request_id: str | None = None):
@@ -181,14 +213,30 @@ class SelfConsistencyPlugin:
             logger.warning("consensus_spec: CONSENSUS_SPEC_SC_IDLE_FILL=%r is not one of %s; "
                            "using 'any'", idle_fill, IDLE_FILL)
             idle_fill = "any"
+        run_ahead = os.environ.get("CONSENSUS_SPEC_SC_RUN_AHEAD", "measured")
+        if run_ahead not in RUN_AHEAD:
+            logger.warning("consensus_spec: CONSENSUS_SPEC_SC_RUN_AHEAD=%r is not one of %s; "
+                           "using 'measured'", run_ahead, RUN_AHEAD)
+            run_ahead = "measured"
         limits = Limits(max_n=_env_int("CONSENSUS_SPEC_SC_MAX_N", 64),
                         max_prompts=_env_int("CONSENSUS_SPEC_SC_MAX_PROMPTS", 64),
                         max_inflight=_env_int("CONSENSUS_SPEC_SC_MAX_INFLIGHT", max(1, max_seqs // 2)),
                         idle_fill=idle_fill)
-        state.consensus_sc = _State(engine_client, args, limits, max_seqs)
-        logger.info("consensus_spec: POST %s served (max n %d, %d problems a request, "
-                    "%d paths in flight a request, idle fill %s)", ROUTE, limits.max_n,
-                    limits.max_prompts, limits.max_inflight, limits.idle_fill)
+        # a bad default is the operator's: refuse to start, naming it
+        defaults = parse_defaults(os.environ.get("CONSENSUS_SPEC_SC_DEFAULTS"))
+        from .step_costs import ensure_costs
+
+        costs = ensure_costs(getattr(engine_client, "vllm_config", None))
+        state.consensus_sc = _State(engine_client, args, limits, max_seqs, defaults, run_ahead,
+                                    costs, getattr(state, "online_renderer", None))
+        logger.info("consensus_spec: POST %s, %s/completions and %s/chat/completions served "
+                    "(max n %d, %d problems a request, %d paths in flight a request, idle fill "
+                    "%s, run-ahead %s, step costs %s)", ROUTE, ROUTE, ROUTE, limits.max_n,
+                    limits.max_prompts, limits.max_inflight, limits.idle_fill, run_ahead,
+                    "measured from the engine's steps" if costs.measured else
+                    f"from the {costs.prior_name} model only (no stats: --disable-log-stats?)")
+        if defaults:
+            logger.info("consensus_spec: self-consistency defaults %s", json.dumps(defaults))
 
 
 def plugin() -> SelfConsistencyPlugin:
@@ -198,14 +246,6 @@ def plugin() -> SelfConsistencyPlugin:
 
 # ---------------------------------------------------------------------------
 # The request
-
-
-def _error(status: int, message: str, param: str | None = None):
-    from fastapi.responses import JSONResponse
-
-    kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "InternalServerError")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                   "code": status}}, status_code=status)
 
 
 def _render(st: _State, req: SelfConsistencyRequest) -> list[list[int]]:
@@ -250,31 +290,29 @@ def _render(st: _State, req: SelfConsistencyRequest) -> list[list[int]]:
 async def handle(raw_request):
     st: _State | None = getattr(raw_request.app.state, "consensus_sc", None)
     if st is None:
-        return _error(503, "no engine behind this server", None)
+        return error(503, "no engine behind this server", None)
     try:
         body = json.loads(await raw_request.body() or b"null")
     except (ValueError, UnicodeDecodeError) as e:
-        return _error(400, f"body: not valid JSON ({e})", "body")
+        return error(400, f"body: not valid JSON ({e})", "body")
     try:
-        req, stop_rule, schedule, voting = parse_request(body, st.limits)
+        req, opts = parse_request(body, st.limits, st.defaults)
         if req.model is not None and req.model not in st.model_names:
-            return _error(404, f"The model `{req.model}` does not exist.", "model")
+            return error(404, f"The model `{req.model}` does not exist.", "model")
         prompts = await asyncio.to_thread(_render, st, req)
-        make_params = _params_factory(req, prompts, st.max_model_len, voting.weighted)
+        make_params = _params_factory(req, prompts, st.max_model_len, opts.voting.weighted)
         make_params(0, 0)  # vLLM's own checks, here rather than in the engine
     except BadRequest as e:
-        return _error(e.status, str(e), e.param)
+        return error(e.status, str(e), e.param)
     except ValueError as e:  # SamplingParams' checks
-        return _error(400, str(e), None)
+        return error(400, str(e), None)
 
-    run_id = f"sc-{uuid.uuid4().hex[:16]}"
+    from vllm import TokensPrompt
+
+    run_id = new_run_id("sc")
     max_tokens = req.max_tokens or max(_default_max_tokens(st.max_model_len, p) for p in prompts)
     events: asyncio.Queue | None = asyncio.Queue() if req.stream else None
     created = int(time.time())
-
-    def on_submit(count: int) -> None:
-        if run_id in st.runs:  # a cancelled run's shielded clean-up may end after it left
-            st.runs[run_id] += count
 
     def on_vote(p: int, answers: list, remaining: int, stop: bool) -> None:
         if events is not None:
@@ -286,39 +324,19 @@ async def handle(raw_request):
     def on_problem_done(p: int, book) -> None:
         if events is not None:
             events.put_nowait({"object": "self_consistency.problem", "index": p,
-                               **problem_json(book.result(p), req.n, stop_rule, req.return_paths)})
+                               **problem_json(book.result(p), req.n, opts.stop_rule,
+                                              opts.return_paths)})
 
     async def run() -> dict:
-        from vllm import TokensPrompt
-
-        from ..sampling.async_loop import run_paths_async
-
-        st.runs[run_id] = 0
-        client_id = raw_request.headers.get("X-Request-Id")
-        if client_id:
-            st.client_ids[run_id] = client_id[:256]
-        st.requests_total += 1
-        try:
-            result = await run_paths_async(
-                lambda rid, ids, params: st.engine.generate(TokensPrompt(prompt_token_ids=ids),
-                                                            params, rid),
-                st.engine.abort, prompts, make_params, req.n, schedule=schedule,
-                stop_rule=stop_rule, voting=voting, max_tokens=max_tokens, delta=False,
-                run_id=run_id, on_vote=on_vote, on_problem_done=on_problem_done,
-                on_submit=on_submit, idle_rows=lambda: st.idle_rows(run_id),
-                on_start=lambda book: st.wants.__setitem__(run_id, book.planner.rows_wanted))
-        except BaseException:
-            st.requests_unfinished += 1
-            raise
-        finally:
-            st.runs.pop(run_id, None)
-            st.client_ids.pop(run_id, None)
-            st.wants.pop(run_id, None)
-        problems = [problem_json(r, req.n, stop_rule, req.return_paths) for r in result]
+        result = await run_request(st, raw_request, run_id,
+                                   [TokensPrompt(prompt_token_ids=ids) for ids in prompts],
+                                   make_params, req.n, opts, max_tokens, on_vote=on_vote,
+                                   on_problem_done=on_problem_done)
+        problems = [problem_json(r, req.n, opts.stop_rule, opts.return_paths) for r in result]
         out = {"id": run_id, "object": "self_consistency", "created": created,
                "model": st.model_names[0] if st.model_names else None,
-               "n": req.n, "early_stop": stop_rule.describe() if stop_rule else "off",
-               "schedule": schedule.describe()}
+               "n": req.n, "early_stop": opts.stop_rule.describe() if opts.stop_rule else "off",
+               "schedule": opts.schedule.describe()}
         if is_many(req):
             out["results"] = problems
         else:
@@ -329,69 +347,8 @@ async def handle(raw_request):
         return out
 
     if req.stream:
-        return _stream(raw_request, run, events)
-    return await _until_disconnect(raw_request, run())
-
-
-async def _until_disconnect(raw_request, work):
-    """Run ``work`` unless the client goes away first, then cancel it (the
-    run aborts its paths); the body was read, so the disconnect listener may
-    consume the request's messages (as vLLM's ``with_cancellation`` does)."""
-    from fastapi.responses import JSONResponse
-    from vllm.entrypoints.serve.utils.api_utils import listen_for_disconnect
-
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(listen_for_disconnect(raw_request))
-    try:
-        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in (task, watcher):
-            if not t.done():
-                t.cancel()
-        await asyncio.gather(task, watcher, return_exceptions=True)
-    if not task.done() or task.cancelled():
-        return None  # the client is gone: nobody reads a response
-    error = task.exception()
-    if error is not None:
-        logger.warning("consensus_spec: %s failed: %r", ROUTE, error)
-        return _error(500, f"self-consistency run failed: {type(error).__name__}")
-    return JSONResponse(task.result())
-
-
-def _stream(raw_request, run, events: asyncio.Queue):
-    """Server-sent events: each stop vote, each problem once final, then the
-    whole response and ``[DONE]``.  Starlette cancels the generator when the
-    client goes away; the run is cancelled with it."""
-    from fastapi.responses import StreamingResponse
-
-    async def sse():
-        task = asyncio.ensure_future(run())
-        try:
-            while True:
-                getter = asyncio.ensure_future(events.get())
-                await asyncio.wait([getter, task], return_when=asyncio.FIRST_COMPLETED)
-                if getter.done():
-                    yield f"data: {json.dumps(getter.result())}\n\n"
-                    continue
-                getter.cancel()
-                while not events.empty():
-                    yield f"data: {json.dumps(events.get_nowait())}\n\n"
-                if task.exception() is not None:
-                    logger.warning("consensus_spec: %s failed: %r", ROUTE, task.exception())
-                    error = {"error": {"message": "self-consistency run failed: "
-                                                  f"{type(task.exception()).__name__}",
-                                       "type": "InternalServerError", "code": 500}}
-                    yield f"data: {json.dumps(error)}\n\n"
-                else:
-                    yield f"data: {json.dumps(task.result())}\n\n"
-                yield "data: [DONE]\n\n"
-                return
-        finally:
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-
-    return StreamingResponse(sse(), media_type="text/event-stream")
+        return sse(run, events, lambda out: [out], ROUTE)
+    return await until_disconnect(raw_request, run(), ROUTE)
 
 
 def _params_factory(req: SelfConsistencyRequest, prompts: list[list[int]], max_model_len: int,

@@ -27,6 +27,7 @@ __all__ = [
     "canonicalize",
     "equivalent",
     "extract_answer",
+    "extract_final_answer",
     "normalize_answer",
 ]
 
@@ -53,7 +54,21 @@ def extract_answer(text: str | None) -> str | None:
     Priority: last ``\\boxed{}``/``\\fbox{}``, then GSM8K ``#### X``, then the
     last "answer is X" / "option is X" phrase, then the last number.  A
     multiple-choice answer comes back as its capital letter ("(b)" -> "B").
+    A stated equation gives its result ("The answer is 2 x 2 = 4" -> "4");
+    unevaluated arithmetic ("The answer is 60 x 3") is no answer.
     """
+    return _extract(text, (_find_boxed, _find_gsm8k, _find_phrase, _find_last_number))
+
+
+def extract_final_answer(text: str | None) -> str | None:
+    """:func:`extract_answer` without the last-number fallback: only an
+    answer the text states as final (boxed, ``####``, "the answer is").  A
+    path cut off mid-reasoning, or one that never says its answer, gives
+    None (it abstains) instead of whatever number it wrote last."""
+    return _extract(text, (_find_boxed, _find_gsm8k, _find_phrase))
+
+
+def _extract(text: str | None, finders) -> str | None:
     if not text:
         return None
     if len(text) > MAX_TEXT_CHARS:
@@ -63,8 +78,10 @@ def extract_answer(text: str | None) -> str | None:
         if space is None:
             return None
         text = text[space.end() :]
-    for find in (_find_boxed, _find_gsm8k, _find_phrase, _find_last_number):
+    for find in finders:
         raw = find(text)
+        if raw == UNDONE:
+            return None  # the text states its answer, and it is no value
         if raw is not None:
             ans = _clean(raw)
             if ans:
@@ -124,7 +141,7 @@ def _find_gsm8k(text: str) -> str | None:
     for m in _GSM8K_RE.finditer(text):
         if m.group(1).strip():
             last = m.group(1)
-    return last
+    return None if last is None else _stated_value(last.strip())
 
 
 def _find_phrase(text: str) -> str | None:
@@ -132,7 +149,7 @@ def _find_phrase(text: str) -> str | None:
     for regex in (_PHRASE_RE, _CHOICE_PHRASE_RE):
         for m in regex.finditer(text):
             content = _phrase_content(m.group(1), choice_only=regex is _CHOICE_PHRASE_RE)
-            if content and (best is None or m.start() > best[0]):
+            if content is not None and (best is None or m.start() > best[0]):
                 best = (m.start(), content)
     return best[1] if best else None
 
@@ -148,6 +165,9 @@ def _phrase_content(s: str, choice_only: bool) -> str | None:
     end = _SENTENCE_END_RE.search(s)
     if end:
         s = s[: end.start()]
+    s = _stated_value(s)
+    if not s:
+        return s
     # Prose after the answer ("5 because ...", "18 dollars left") or around
     # it ("that she has 18 apples"): keep the leading math, else the last
     # number.  One trailing word may be a unit ("10 cm") and is kept.
@@ -157,6 +177,27 @@ def _phrase_content(s: str, choice_only: bool) -> str | None:
         if head and not head[0].isalpha():
             return head
         return _find_last_number(s)
+    return s
+
+
+_ARITHMETIC_RE = re.compile(
+    r"[-+]?\$?\d[\d,]*(?:\.\d+)?(?:\s*(?:[x×*·÷+]|\s[-/]\s)\s*\$?\d[\d,]*(?:\.\d+)?)+")
+_RESULT_RE = re.compile(r"\s*\$?\s*(-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?)"
+                        r"(?![\d/^A-Za-z(\\{])(?!\s*[-+*/×^]\s*\d)")
+UNDONE = ""  # a stated answer that is arithmetic left undone: no answer, and no fallback
+
+
+def _stated_value(s: str) -> str | None:
+    """An answer phrase's value: an equation's result ("2 x 2 = 4" -> "4"),
+    ``UNDONE`` for arithmetic left undone ("60 x 3"), else the phrase itself.
+    Equations whose right side is no plain number ("y = 2x + 1") stay whole."""
+    if "=" in s and not re.search(r"[<>!]=|\\[lg]eq|\\neq", s):
+        m = _RESULT_RE.match(s.rsplit("=", 1)[1])
+        if m:
+            return m.group(1)
+        return s
+    if _ARITHMETIC_RE.fullmatch(s.strip().rstrip(".")):
+        return UNDONE
     return s
 
 

@@ -1,0 +1,148 @@
+"""What every self-consistency route does the same way: run a request's
+paths against the server's engine (the run's count of paths in flight,
+``X-Request-Id``, run-ahead over the engine's measured step cost), answer
+when done unless the client went away first (then every path is aborted),
+stream server-sent events, and shape errors as vLLM's routes do."""
+
+# no "from __future__ import annotations": FastAPI reads annotations of routes built here
+import asyncio
+import json
+import logging
+import uuid
+from typing import Any, Callable
+
+from ..sampling.run_ahead import RunAhead
+from .options import RunOptions
+from .step_costs import engine_costs
+
+logger = logging.getLogger(f"vllm.{__name__}")
+
+KEEPALIVE_S = 15.0  # an SSE comment this often while a stream has nothing to send
+
+
+def error(status: int, message: str, param: str | None = None):
+    from fastapi.responses import JSONResponse
+
+    kind = {400: "BadRequestError", 404: "NotFoundError",
+            503: "ServiceUnavailableError"}.get(status, "InternalServerError")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
+                                   "code": status}}, status_code=status)
+
+
+def new_run_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:16]}"
+
+
+async def run_request(st, raw_request, run_id: str, prompts: list, make_params: Callable,
+                      n: int, opts: RunOptions, max_tokens: int, *,
+                      on_vote: Callable | None = None, on_problem_done: Callable | None = None,
+                      keep_outputs: bool = False, priority: int = 0):
+    """Sample and vote ``prompts`` (engine inputs) through the server's
+    engine; the run is counted in ``st`` while it lasts.  Cancelling it (a
+    client that left) aborts every path it started."""
+    from ..sampling.async_loop import run_paths_async
+
+    costs = engine_costs()
+    run_ahead = RunAhead(opts.stop_rule, costs) if st.measured_run_ahead else None
+
+    def on_submit(count: int) -> None:
+        if run_id in st.runs:  # a cancelled run's shielded clean-up may end after it left
+            st.runs[run_id] += count
+
+    def generate(rid, prompt, params):
+        return st.engine.generate(prompt, params, rid, priority=priority)
+
+    st.runs[run_id] = 0
+    client_id = raw_request.headers.get("X-Request-Id")
+    if client_id:
+        st.client_ids[run_id] = client_id[:256]
+    st.requests_total += 1
+    try:
+        return await run_paths_async(
+            generate, st.engine.abort, prompts, make_params, n, schedule=opts.schedule,
+            stop_rule=opts.stop_rule, voting=opts.voting, max_tokens=max_tokens, delta=False,
+            run_id=run_id, on_vote=on_vote, on_problem_done=on_problem_done,
+            on_submit=on_submit, idle_rows=lambda: st.idle_rows(run_id),
+            on_start=lambda book: st.wants.__setitem__(run_id, book.planner.rows_wanted),
+            run_ahead=run_ahead, keep_outputs=keep_outputs)
+    except BaseException:
+        st.requests_unfinished += 1
+        raise
+    finally:
+        st.runs.pop(run_id, None)
+        st.client_ids.pop(run_id, None)
+        st.wants.pop(run_id, None)
+        if run_ahead is not None:
+            st.run_ahead_total.merge(run_ahead.stats)
+
+
+async def until_disconnect(raw_request, work, route: str):
+    """Run ``work`` unless the client goes away first, then cancel it (the
+    run aborts its paths); the body was read, so the disconnect listener may
+    consume the request's messages (as vLLM's ``with_cancellation`` does)."""
+    from fastapi.responses import JSONResponse
+    from vllm.entrypoints.serve.utils.api_utils import listen_for_disconnect
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(listen_for_disconnect(raw_request))
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watcher):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if not task.done() or task.cancelled():
+        return None  # the client is gone: nobody reads a response
+    exc = task.exception()
+    if exc is not None:
+        logger.warning("consensus_spec: %s failed: %r", route, exc)
+        return error(500, f"self-consistency run failed: {type(exc).__name__}")
+    return JSONResponse(task.result())
+
+
+def sse(run: Callable[[], Any], events: asyncio.Queue, finish: Callable[[Any], list],
+        route: str):
+    """Server-sent events: whatever the run puts on ``events`` as it goes,
+    then ``finish(result)``'s events and ``[DONE]``; a comment line every
+    ``KEEPALIVE_S`` while there is nothing to send (proxies and clients keep
+    the connection).  Starlette cancels the generator when the client goes
+    away; the run is cancelled with it."""
+    from fastapi.responses import StreamingResponse
+
+    def data(obj) -> str:
+        return f"data: {json.dumps(obj)}\n\n"
+
+    async def stream():
+        task = asyncio.ensure_future(run())
+        try:
+            while True:
+                getter = asyncio.ensure_future(events.get())
+                await asyncio.wait([getter, task], timeout=KEEPALIVE_S,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield data(getter.result())
+                    continue
+                getter.cancel()
+                if not task.done():
+                    yield ": running\n\n"
+                    continue
+                while not events.empty():
+                    yield data(events.get_nowait())
+                exc = task.exception()
+                if exc is not None:
+                    logger.warning("consensus_spec: %s failed: %r", route, exc)
+                    yield data({"error": {"message": "self-consistency run failed: "
+                                                     f"{type(exc).__name__}",
+                                          "type": "InternalServerError", "code": 500}})
+                else:
+                    for event in finish(task.result()):
+                        yield data(event)
+                yield "data: [DONE]\n\n"
+                return
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    return StreamingResponse(stream(), media_type="text/event-stream")
