@@ -1,4 +1,4 @@
-"""``POST /v1/self_consistency`` on a real vLLM OpenAI server: helpers and a soak.
+"""The self-consistency routes on a real vLLM OpenAI server: helpers and a soak.
 
     python -m tests.sc_soak [--requests 1000] [--threads 8] [--out results/sc_soak.json]
 
@@ -6,9 +6,11 @@ Starts the API server on the embedded model with consensus drafting and the
 endpoint plugin (``VLLM_PLUGINS`` naming both of this package's plugins),
 through :mod:`tests.server_soak`'s ``Server`` (own process group, always
 stopped).  The soak sends ``--requests`` requests from ``--threads``
-threads, mixing well-formed ones (single prompts, lists, chat messages,
-streams), malformed ones (every kind of :func:`malformed_bodies`) and
-clients that hang up mid-run; then, one at a time, ``--serial-disconnects``
+threads, every other one through the OpenAI-shaped routes
+(``/v1/self_consistency/completions`` and ``.../chat/completions``), mixing
+well-formed ones (single prompts, lists, chat messages, streams), malformed
+ones (every kind of :func:`malformed_bodies` and
+:func:`malformed_openai_bodies`) and clients that hang up mid-run; then, one at a time, ``--serial-disconnects``
 hang-ups each followed by a check that the engine runs nothing.  It counts:
 well-formed answered, malformed answered 4xx, the endpoint's live runs and
 in-flight paths and the engine's running/waiting requests at the end.
@@ -44,13 +46,17 @@ def start_server(log_dir: Path, env: dict | None = None, spec: bool = True,
     return server.start()
 
 
-def post(base_url: str, body, timeout: float = TIMEOUT_S, raw: bool = False):
+COMPLETIONS = ROUTE + "/completions"
+CHAT = ROUTE + "/chat/completions"
+
+
+def post(base_url: str, body, timeout: float = TIMEOUT_S, raw: bool = False, route: str = ROUTE):
     import requests
 
     if raw:
-        return requests.post(base_url + ROUTE, data=body,
+        return requests.post(base_url + route, data=body,
                              headers={"Content-Type": "application/json"}, timeout=timeout)
-    return requests.post(base_url + ROUTE, json=body, timeout=timeout)
+    return requests.post(base_url + route, json=body, timeout=timeout)
 
 
 def endpoint_state(base_url: str, request_id: str | None = None) -> dict:
@@ -88,13 +94,14 @@ def wait_idle(base_url: str, timeout: float = 20.0) -> dict:
         time.sleep(0.25)
 
 
-def hang_up(base_url: str, body: dict, after_s: float, request_id: str = "") -> None:
+def hang_up(base_url: str, body: dict, after_s: float, request_id: str = "",
+            route: str = ROUTE) -> None:
     """A client that sends a request and closes the connection after ``after_s``."""
     host, port = base_url.split("//")[1].split(":")
     data = json.dumps(body).encode()
     rid = f"X-Request-Id: {request_id}\r\n".encode() if request_id else b""
     with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall(b"POST " + ROUTE.encode() + b" HTTP/1.1\r\nHost: x\r\n" + rid
+        s.sendall(b"POST " + route.encode() + b" HTTP/1.1\r\nHost: x\r\n" + rid
                   + b"Content-Type: application/json\r\nContent-Length: "
                   + str(len(data)).encode() + b"\r\n\r\n" + data)
         time.sleep(after_s)
@@ -138,6 +145,24 @@ def good_body(i: int, probs: list[dict], rng: random.Random) -> dict:
     return body
 
 
+def good_openai_body(i: int, probs: list[dict], rng: random.Random) -> tuple[str, dict]:
+    """(route, body): well-formed OpenAI-shaped requests of every shape."""
+    p = probs[i % len(probs)]
+    body = {"model": SERVED_NAME, "prompt": p["prompt"], "n": rng.choice((4, 6, 8)),
+            "max_tokens": 80, "seed": rng.randrange(2**20)}
+    kind = i % 5
+    if kind == 1:
+        body["prompt"] = [q["prompt"] for q in probs[i % len(probs):][:3]] or [p["prompt"]]
+    elif kind in (2, 4):
+        del body["prompt"]
+        body["messages"] = [{"role": "user", "content": p["question"]}]
+        body["stream"] = kind == 4
+        return CHAT, body
+    elif kind == 3:
+        body.update(stream=True, stream_options={"include_usage": True})
+    return COMPLETIONS, body
+
+
 def malformed_bodies(model: str = SERVED_NAME) -> dict[str, tuple]:
     """name -> (body (dict, or bytes sent raw), the field the error must name, status)."""
     ok = {"model": model, "prompt": "Question: Mia has 3 apples. How many apples does Mia have?\n"
@@ -176,10 +201,54 @@ def malformed_bodies(model: str = SERVED_NAME) -> dict[str, tuple]:
     }
 
 
+def malformed_openai_bodies(model: str = SERVED_NAME) -> dict[str, tuple]:
+    """name -> (route, body, the field the error must name, status) for the
+    OpenAI-shaped routes."""
+    ok = {"model": model, "prompt": "Question: Mia has 3 apples. How many apples does Mia have?\n"
+                                    "Answer:", "n": 4, "max_tokens": 16}
+    chat = {"model": model, "messages": [{"role": "user", "content": "Mia has 3 apples."}],
+            "n": 4, "max_tokens": 16}
+    too_long = "Question: " + " ".join("1 2 3 4 5 6 7 8 9" for _ in range(80)) + "\nAnswer:"
+    c, h = COMPLETIONS, CHAT
+    return {
+        "oa_unknown_field": (c, {**ok, "best_of_n": 3}, "best_of_n", 400),
+        "oa_n_zero": (c, {**ok, "n": 0}, "n", 400),
+        "oa_n_past_limit": (c, {**ok, "n": 100_000}, "n", 400),
+        "oa_n_string": (c, {**ok, "n": "eight"}, "n", 400),
+        "oa_echo": (c, {**ok, "echo": True}, "echo", 400),
+        "oa_beam_search": (c, {**ok, "use_beam_search": True}, "use_beam_search", 400),
+        "oa_prompt_logprobs": (c, {**ok, "prompt_logprobs": 1}, "prompt_logprobs", 400),
+        "oa_temperature_negative": (c, {**ok, "temperature": -1}, "temperature", 400),
+        "oa_max_tokens_past_context": (c, {**ok, "max_tokens": 100_000}, "max_tokens", 400),
+        "oa_prompt_too_long": (c, {**ok, "prompt": too_long, "max_tokens": 16}, "prompt", 400),
+        "oa_prompt_missing": (c, {"model": model, "n": 4}, "prompt", 400),
+        "oa_too_many_prompts": (c, {**ok, "prompt": ["a"] * 1000}, "prompt", 400),
+        "oa_stream_options_without_stream": (c, {**ok, "stream_options": {"include_usage": True}},
+                                             "stream_options", 400),
+        "oa_logprobs_negative": (c, {**ok, "logprobs": -3}, "logprobs", 400),
+        "oa_early_stop_unknown_kind": (c, {**ok, "early_stop": "sometimes"}, "early_stop", 400),
+        "oa_answer_pattern_bad": (c, {**ok, "answer_pattern": "(unclosed"}, "answer_pattern", 400),
+        "oa_answer_pattern_type": (c, {**ok, "answer_pattern": 5}, "answer_pattern", 400),
+        "oa_voting_unknown_field": (c, {**ok, "voting": {"weights": 1}}, "voting.weights", 400),
+        "oa_seed_string": (c, {**ok, "seed": "x"}, "seed", 400),
+        "oa_unknown_model": (c, {**ok, "model": "no-such-model"}, "model", 404),
+        "oa_non_json": (c, b"{this is not json", "body", 400),
+        "oa_json_array_body": (c, b"[1, 2, 3]", "body", 400),
+        "chat_tools": (h, {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]},
+                       "tools", 400),
+        "chat_messages_missing": (h, {"model": model, "n": 4}, "messages", 400),
+        "chat_bad_role": (h, {**chat, "messages": [{"role": "robot", "content": "x"}]},
+                          "messages", 400),
+        "chat_n_past_limit": (h, {**chat, "n": 100_000}, "n", 400),
+        "chat_top_logprobs_without_logprobs": (h, {**chat, "top_logprobs": 2}, "top_logprobs", 400),
+        "chat_unknown_field": (h, {**chat, "early_stopping": True}, "early_stopping", 400),
+    }
+
+
 def send_malformed(base_url: str, name: str, spec: tuple) -> dict:
-    body, field, status = spec
+    route, (body, field, status) = (spec[0], spec[1:]) if len(spec) == 4 else (ROUTE, spec)
     try:
-        r = post(base_url, body, timeout=60, raw=isinstance(body, bytes))
+        r = post(base_url, body, timeout=60, raw=isinstance(body, bytes), route=route)
         error = r.json().get("error", {}) if r.headers.get("content-type", "").startswith(
             "application/json") else {}
         ok = r.status_code == status and error.get("param") == field and field in error.get("message", "")
@@ -197,23 +266,39 @@ def read_stream(r) -> list:
     return events
 
 
-def send_good(base_url: str, body: dict) -> dict:
+def _openai_votes(events: list) -> tuple[list, dict]:
+    """The votes (by choice index) and the usage of an OpenAI-shaped stream."""
+    votes, usage = {}, {}
+    for e in events:
+        if isinstance(e, dict):
+            usage = e.get("usage") or usage
+            for c in e.get("choices", []):
+                if "self_consistency" in c:
+                    votes[c["index"]] = c["self_consistency"]
+    return [votes[i] for i in sorted(votes)], usage
+
+
+def send_good(base_url: str, body: dict, route: str = ROUTE) -> dict:
     t0 = time.monotonic()
     try:
         if body.get("stream"):
             import requests
-            with requests.post(base_url + ROUTE, json=body, stream=True, timeout=TIMEOUT_S) as r:
+            with requests.post(base_url + route, json=body, stream=True, timeout=TIMEOUT_S) as r:
                 events = read_stream(r) if r.status_code == 200 else []
-                final = events[-2] if len(events) >= 2 and events[-1] == "[DONE]" else {}
                 status = r.status_code
         else:
-            r = post(base_url, body)
-            status, final = r.status_code, r.json()
+            r = post(base_url, body, route=route)
+            status, events = r.status_code, [r.json(), "[DONE]"]
         count = len(body["prompt"]) if isinstance(body.get("prompt"), list) else 1
-        answers = [x.get("answer") for x in final.get("results", [final])] if final else []
-        ok = status == 200 and len(answers) == count and "agreement" in (final.get("results") or [final])[0]
+        if route == ROUTE:
+            final = events[-2] if len(events) >= 2 and events[-1] == "[DONE]" else {}
+            votes, usage = (final.get("results", [final]) if final else []), final.get("usage", {})
+        else:
+            votes, usage = _openai_votes(events)
+        ok = status == 200 and events[-1:] == ["[DONE]"] and len(votes) == count \
+            and all("agreement" in v for v in votes)
         return {"ok": ok, "status": status, "s": time.monotonic() - t0,
-                "tokens": final.get("usage", {}).get("completion_tokens")}
+                "tokens": usage.get("completion_tokens")}
     except Exception as e:  # noqa: BLE001 - recorded
         return {"ok": False, "status": None, "error": f"{type(e).__name__}: {e}"[:300]}
 
@@ -223,17 +308,23 @@ def soak(base_url: str, requests_: int, threads: int, malformed_every: int = 5,
     """The mixed soak against a running server (see the module docstring)."""
     rng = random.Random(seed)
     probs = problems(64)
-    bad = malformed_bodies()
+    bad = {**malformed_bodies(), **malformed_openai_bodies()}
     bad_names = sorted(bad)
     plan = []
     for i in range(requests_):
+        openai_shaped = i % 2 == 1  # every other request through the OpenAI-shaped routes
         if i % malformed_every == malformed_every - 1:
             plan.append(("bad", bad_names[(i // malformed_every) % len(bad_names)]))
         elif i % disconnect_every == disconnect_every - 1:
-            plan.append(("hangup", {**good_body(i, probs, rng), "early_stop": False, "n": 8,
-                                    "max_tokens": 200}))
+            route, body = good_openai_body(i, probs, rng) if openai_shaped \
+                else (ROUTE, good_body(i, probs, rng))
+            body = {**body, "early_stop": False, "n": 8, "max_tokens": 200, "stream": False}
+            body.pop("stream_options", None)
+            plan.append(("hangup", (route, body)))
+        elif openai_shaped:
+            plan.append(("good", good_openai_body(i, probs, rng)))
         else:
-            plan.append(("good", good_body(i, probs, rng)))
+            plan.append(("good", (ROUTE, good_body(i, probs, rng))))
 
     def one(item):
         kind, x = item
@@ -241,9 +332,11 @@ def soak(base_url: str, requests_: int, threads: int, malformed_every: int = 5,
             return kind, send_malformed(base_url, x, bad[x])
         if kind == "hangup":
             rid = f"soak-hangup-{uuid.uuid4().hex[:12]}"
-            hang_up(base_url, x, after_s=rng.uniform(0.05, 1.0), request_id=rid)
-            return kind, wait_run_ended(base_url, rid)  # its run ended: its paths aborted
-        return kind, send_good(base_url, x)
+            route, body = x
+            hang_up(base_url, body, after_s=rng.uniform(0.05, 1.0), request_id=rid, route=route)
+            return kind, {**wait_run_ended(base_url, rid), "route": route}  # its paths aborted
+        route, body = x
+        return kind, {**send_good(base_url, body, route), "route": route}
 
     t0 = time.monotonic()
     with cf.ThreadPoolExecutor(threads) as pool:
@@ -256,18 +349,22 @@ def soak(base_url: str, requests_: int, threads: int, malformed_every: int = 5,
                 "stream": False}
         body.pop("messages", None)
         body["prompt"] = probs[i]["prompt"]
-        hang_up(base_url, body, after_s=1.5)
-        serial.append(wait_idle(base_url))
+        route = COMPLETIONS if i % 2 else ROUTE
+        hang_up(base_url, body, after_s=1.5, route=route)
+        serial.append({**wait_idle(base_url), "route": route})
     good = [r for k, r in results if k == "good"]
     malformed = [r for k, r in results if k == "bad"]
     return {
         "requests": requests_, "threads": threads, "wall_s": round(wall, 1),
         "good": len(good), "good_ok": sum(r["ok"] for r in good),
+        "good_by_route": {rt: sum(r["route"] == rt for r in good) for rt in (ROUTE, COMPLETIONS, CHAT)},
         "good_failures": [r for r in good if not r["ok"]][:5],
         "malformed": len(malformed), "malformed_ok": sum(r["ok"] for r in malformed),
         "malformed_statuses": sorted({(r["name"], r["status"]) for r in malformed}),
         "malformed_failures": [r for r in malformed if not r["ok"]][:5],
         "hangups": sum(k == "hangup" for k, _ in results),
+        "hangups_by_route": {rt: sum(k == "hangup" and r["route"] == rt for k, r in results)
+                             for rt in (ROUTE, COMPLETIONS, CHAT)},
         "hangups_ended": sum(r["ended"] for k, r in results if k == "hangup"),
         "hangup_end_wait_s_max": max([r["waited_s"] for k, r in results if k == "hangup"],
                                      default=None),

@@ -23,20 +23,12 @@ from tests import sc_soak, server_soak  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
-MAX_INFLIGHT = 6  # CONSENSUS_SPEC_SC_MAX_INFLIGHT for this server
+from tests.conftest import SC_MAX_INFLIGHT as MAX_INFLIGHT  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("sc_server")
-    srv = sc_soak.start_server(log_dir, env={"CONSENSUS_SPEC_SC_MAX_INFLIGHT": str(MAX_INFLIGHT),
-                                             "CONSENSUS_SPEC_SC_MAX_N": "32"})
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.stop()
-        assert server_soak.process_group(srv.proc.pid) == [], "server left processes behind"
+def server(sc_server):
+    return sc_server  # shared with tests/test_sc_openai.py (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +39,10 @@ def probs():
 def test_plugin_loaded_and_said_so(server):
     log = server.log_text()
     assert "Loaded endpoint plugin consensus_spec_self_consistency" in log
-    assert f"consensus_spec: POST /v1/self_consistency served (max n 32, 64 problems a request, " \
-           f"{MAX_INFLIGHT} paths in flight a request, idle fill any)" in log
+    assert "consensus_spec: POST /v1/self_consistency, /v1/self_consistency/completions and " \
+           "/v1/self_consistency/chat/completions served (max n 32, 64 problems a request, " \
+           f"{MAX_INFLIGHT} paths in flight a request, idle fill any, run-ahead measured, " \
+           "step costs measured from the engine's steps)" in log
     assert "is off" not in log and "are not loaded" not in log
 
 
@@ -271,7 +265,8 @@ def test_messages_to_a_model_without_a_chat_template_get_a_400():
     from types import SimpleNamespace
 
     from consensus_spec.server import endpoint
-    from consensus_spec.server.protocol import BadRequest, Limits, parse_request
+    from consensus_spec.server.options import BadRequest, Limits
+    from consensus_spec.server.protocol import parse_request
 
     class NoTemplate:
         chat_template = None
@@ -295,14 +290,15 @@ def test_idle_rows_go_to_any_run_or_to_older_runs_first():
 
     from consensus_spec.sampling.waves import PathPlanner, Schedule
     from consensus_spec.server import endpoint
-    from consensus_spec.server.protocol import Limits
+    from consensus_spec.server.options import Limits
 
     plan = PathPlanner(1, 8, Schedule(waves=(2,), capacity=8), idle_rows=lambda: 0)
     assert len(plan.admit()) == 2 and plan.rows_wanted() == 6  # its unopened paths
     plan = PathPlanner(1, 8, Schedule(waves=(2,), capacity=4), idle_rows=lambda: 0)
     plan.admit()
     assert plan.rows_wanted() == 2  # up to its free capacity
-    engine = SimpleNamespace(model_config=SimpleNamespace(max_model_len=512))
+    engine = SimpleNamespace(model_config=SimpleNamespace(max_model_len=512,
+                                                          get_diff_sampling_param=dict))
     for mode, young in (("any", 20), ("oldest", 20 - 6)):
         st = endpoint._State(engine, Namespace(), Limits(idle_fill=mode), 32)
         st.runs.update(old=8, young=4)  # 20 rows idle

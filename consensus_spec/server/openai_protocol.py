@@ -92,11 +92,13 @@ def parse_openai(body: Any, kind: str, limits: Limits, defaults: dict):
         raise BadRequest(unknown[0], f"unknown field; this route takes {cls.__name__}'s fields "
                                      "and the self-consistency options "
                                      "early_stop, schedule, voting, answer_pattern, return_paths")
+    from vllm.exceptions import VLLMError
+
     try:
         req = cls.model_validate(rest)
     except ValidationError as e:
         raise _validation_error(e) from None
-    except ValueError as e:  # a validator outside pydantic's wrapping
+    except (VLLMError, ValueError) as e:  # vLLM's validators raise their own errors
         raise BadRequest(getattr(e, "parameter", None) or "body", str(e)) from None
     for name, why in NOT_APPLICABLE.items():
         if name in req.model_fields_set and getattr(req, name, None) not in (None, False, [], {}):
@@ -155,11 +157,15 @@ def representative(result: ProblemResult) -> Sample | None:
     return min(pool, key=lambda s: (s.finish_reason != "stop", s.path))
 
 
-def vote_json(result: ProblemResult, n: int, opts: RunOptions, rep: Sample | None) -> dict:
+def vote_json(result: ProblemResult, n: int, opts: RunOptions, rep: Sample | None,
+              first_seed: int | None) -> dict:
     out = problem_json(result, n, opts.stop_rule, opts.return_paths)
     out["early_stop"] = opts.stop_rule.describe() if opts.stop_rule else "off"
     out["schedule"] = opts.schedule.describe()
     out["representative_path"] = None if rep is None else rep.path
+    out["distinct_texts"] = len({s.text for s in result.samples})  # of the finished paths
+    # path k ran with seed first_seed + k (None: unseeded)
+    out["seeds"] = None if first_seed is None else [first_seed, first_seed + result.num_sent - 1]
     return out
 
 
@@ -229,7 +235,9 @@ def choice_json(kind: str, index: int, result: ProblemResult, req, opts: RunOpti
     if getattr(req, "return_token_ids", False):
         out["token_ids"] = list(rep.token_ids or []) if rep else []
         out["prompt_token_ids"] = list(prompt_ids)
-    out["self_consistency"] = vote_json(result, req.n or 1, opts, rep)
+    n = req.n or 1
+    first_seed = None if req.seed is None else req.seed + index * n
+    out["self_consistency"] = vote_json(result, n, opts, rep, first_seed)
     return out
 
 

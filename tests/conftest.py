@@ -1,0 +1,23 @@
+"""The one vLLM server the self-consistency route tests share (the embedded
+model, consensus drafting, the endpoint plugin through VLLM_PLUGINS):
+started once, on first use, and always stopped."""
+
+import pytest
+
+SC_MAX_INFLIGHT = 6  # CONSENSUS_SPEC_SC_MAX_INFLIGHT for this server
+SC_MAX_N = 32
+
+
+@pytest.fixture(scope="session")
+def sc_server(tmp_path_factory):
+    from tests import sc_soak, server_soak
+
+    log_dir = tmp_path_factory.mktemp("sc_server")
+    srv = sc_soak.start_server(log_dir, env={"CONSENSUS_SPEC_SC_MAX_INFLIGHT": str(SC_MAX_INFLIGHT),
+                                             "CONSENSUS_SPEC_SC_MAX_N": str(SC_MAX_N)})
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+        assert server_soak.process_group(srv.proc.pid) == [], "server left processes behind"
