@@ -41,15 +41,24 @@ def _vllm_error(e: Exception):
 
 
 async def _render(st, req, kind: str) -> list:
-    """Engine inputs, one per prompt, from vLLM's renderer; BadRequest or
-    vLLM's error response for what it refuses."""
+    """Engine inputs, one per prompt, from vLLM's renderer; BadRequest for
+    what it refuses (its ``input_tokens`` named as the field sent)."""
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+    from vllm.exceptions import VLLMError
+
     if st.renderer is None:
         raise BadRequest("", "this server has no request renderer (vLLM's OnlineRenderer)", 503)
-    out = await (st.renderer.render_chat(req) if kind == CHAT
-                 else st.renderer.render_completion(req))
+    try:
+        out = await (st.renderer.render_chat(req) if kind == CHAT
+                     else st.renderer.render_completion(req))
+    except VLLMError as e:
+        out = create_error_response(e)
     info = getattr(out, "error", None)
     if info is not None:  # vLLM's ErrorResponse
-        raise BadRequest(info.param or "", info.message, int(info.code))
+        param = info.param
+        if param in (None, "input_tokens"):
+            param = "messages" if kind == CHAT else "prompt"
+        raise BadRequest(param, info.message, int(info.code))
     return out[1] if kind == CHAT else out
 
 
