@@ -5,6 +5,8 @@ is back) ask for the voted answer of the embedded model's test problems:
 
 - ``endpoint``: ``POST /v1/self_consistency`` (early stop: the library's
   default rule, waves of 2) on a server with consensus drafting;
+- ``endpoint-openai``: the same through ``POST /v1/self_consistency/completions``
+  (the OpenAI-shaped route; the vote read from ``choices[0].self_consistency``);
 - ``endpoint-full``: the same endpoint without early stopping (all n paths);
 - ``client``: what users do today, ``n`` paths in one ``/v1/completions``
   request and a client-side vote (the library's extraction and vote), on a
@@ -13,7 +15,8 @@ is back) ask for the voted answer of the embedded model's test problems:
 
 One server per configuration per run, configurations in alternating order
 across runs, each at every ``--concurrency`` (one that fills the batch and
-one that does not).  Per configuration and concurrency: answers/s, tokens
+one that does not), for each ``--max-num-seqs`` (``default``: the flag left
+out, as a server is usually started).  Per configuration and concurrency: answers/s, tokens
 per answer, p50/p95 latency per answer, gold accuracy, and the server's
 process-tree CPU seconds beside the wall time.
 
@@ -35,18 +38,23 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
-CONFIGS = ("endpoint", "endpoint-full", "client", "client-nospec")
+CONFIGS = ("endpoint", "endpoint-openai", "endpoint-full", "client", "client-nospec")
 PLUGINS = "consensus_spec_vllm_cpu_fixes,consensus_spec_self_consistency"
 SERVED = "consensus-tiny"
 
 
-def server_args(model: str, spec: bool, max_num_seqs: int, max_model_len: int) -> list[str]:
+def server_args(model: str, spec: bool, max_num_seqs: int | None, max_model_len: int,
+                dtype: str = "float32", memory: float = 0.1) -> list[str]:
+    """A server's flags; ``max_num_seqs`` None leaves vLLM's default; ``memory``
+    is ``--gpu-memory-utilization`` (on CPU, a share of RAM)."""
     args = ["--model", model, "--served-model-name", SERVED, "--max-model-len", str(max_model_len),
-            "--max-num-seqs", str(max_num_seqs), "--gpu-memory-utilization", "0.1",
-            "--dtype", "float32", "--enforce-eager", "--seed", "0"]
+            "--gpu-memory-utilization", str(memory), "--dtype", dtype, "--enforce-eager", "--seed", "0"]
+    if max_num_seqs is not None:
+        args += ["--max-num-seqs", str(max_num_seqs)]
     if spec:
         args += ["--speculative-config", json.dumps({
             "method": "custom_class", "model": "consensus_spec.ConsensusProposer",
@@ -63,6 +71,16 @@ def ask(base_url: str, config: str, prob: dict, args) -> dict:
 
     t0 = time.monotonic()
     try:
+        if config == "endpoint-openai":
+            body = {"model": SERVED, "prompt": prob["prompt"], "n": args.n, "temperature": 0.8,
+                    "max_tokens": args.max_tokens, "seed": prob["seed"]}
+            r = requests.post(base_url + "/v1/self_consistency/completions", json=body,
+                              timeout=args.timeout)
+            r.raise_for_status()
+            out = r.json()
+            vote = out["choices"][0]["self_consistency"]
+            return {"ok": True, "i": prob["i"], "s": time.monotonic() - t0, "answer": vote["answer"],
+                    "tokens": out["usage"]["completion_tokens"], "paths": vote["paths_sampled"]}
         if config.startswith("endpoint"):
             full = config == "endpoint-full"
             body = {"model": SERVED, "prompt": prob["prompt"], "n": args.n, "temperature": 0.8,
@@ -95,7 +113,8 @@ def ask(base_url: str, config: str, prob: dict, args) -> dict:
         return {"ok": False, "i": prob["i"], "s": time.monotonic() - t0, "error": repr(e)[:300]}
 
 
-def run_config(config: str, args, probs: list[dict], log_dir: Path, run: int) -> dict:
+def run_config(config: str, args, probs: list[dict], log_dir: Path, run: int,
+               rows: int | None) -> dict:
     """One server for ``config``: a warm-up request, then every concurrency."""
     from consensus_spec.model import model_path
 
@@ -104,8 +123,8 @@ def run_config(config: str, args, probs: list[dict], log_dir: Path, run: int) ->
     spec = config != "client-nospec"
     env = {"VLLM_PLUGINS": PLUGINS} if config.startswith("endpoint") else {}
     out = {}
-    with VllmServer(server_args(model_path(), spec, args.max_num_seqs, args.max_model_len),
-                    log_dir / f"run{run}_{config}.log", env) as server:
+    with VllmServer(server_args(model_path(), spec, rows, args.max_model_len),
+                    log_dir / f"run{run}_{config}_{rows or 'default'}.log", env) as server:
         server.wait_ready()
         ask(server.base_url, config, {**probs[0], "i": -1}, args)  # warm-up, not timed
         for conc in args.concurrency:
@@ -115,7 +134,8 @@ def run_config(config: str, args, probs: list[dict], log_dir: Path, run: int) ->
             wall = time.monotonic() - wall0
             out[conc] = {"records": records, "wall_s": wall, "server_cpu_s": server.cpu_s() - cpu0,
                          "client_cpu_s": time.process_time() - proc0}
-            print(f"  run {run} {config:14s} concurrency {conc:3d}: {len(probs) / wall:6.3f} "
+            print(f"  run {run} {config:15s} rows {rows or 'default'} concurrency {conc:3d}: "
+                  f"{len(probs) / wall:6.3f} "
                   f"answers/s, wall {wall:6.1f} s, server CPU {out[conc]['server_cpu_s']:6.1f} s",
                   flush=True)
     return out
@@ -180,9 +200,11 @@ def summarize(runs: list[dict], probs: list[dict], args) -> dict:
     for conc in args.concurrency:  # the stop rule replayed on endpoint-full's own paths
         full = [x for r in runs if "endpoint-full" in r
                 for x in r["endpoint-full"][conc]["records"] if x["ok"]]
-        if full and ("endpoint", conc) in table:
+        for config in ("endpoint", "endpoint-openai"):
+            if not full or (config, conc) not in table:
+                continue
             replays = [replayed_stop(x, args.n, args.schedule) for x in full]
-            table[("endpoint", conc)].update(
+            table[(config, conc)].update(
                 agreement_with_full_n=sum(r["agree"] for r in replays) / len(replays),
                 agreement_answers=len(replays),
                 replayed_paths_per_answer=statistics.fmean(r["paths"] for r in replays),
@@ -197,9 +219,10 @@ def summarize(runs: list[dict], probs: list[dict], args) -> dict:
     return table
 
 
-def markdown(table: dict, args) -> str:
+def markdown(table: dict, args, rows: int | None) -> str:
     lines = [f"n={args.n}, {args.problems} problems, max_tokens {args.max_tokens}, "
-             f"max_num_seqs {args.max_num_seqs}, runs {args.runs} (order alternated)", "",
+             f"max_num_seqs {rows or 'default (flag left out)'}, runs {args.runs} "
+             "(order alternated)", "",
              "| config | conc | answers/s (range) | x vs client-nospec | tokens/answer | paths/answer "
              "| p50 s | p95 s | x p95 | gold acc (±SE) | agree full-n, replayed (paths) "
              "| server CPU s/answer | fails |",
@@ -226,7 +249,8 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--concurrency", default="1,8", help="comma list; 8 x n=16 fills 32 rows")
-    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--max-num-seqs", default="32",
+                    help="comma list of server row limits; 'default' leaves the flag out")
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--configs", default=",".join(CONFIGS))
@@ -235,7 +259,19 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     ap.add_argument("--out", type=Path, help="JSON of every request and the table")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/serve_sc_logs"))
+    ap.add_argument("--lm-eval", action="store_true",
+                    help="lm-eval's repeats-based self-consistency task on a plain server against "
+                         "its chain-of-thought task with n through the base URL "
+                         "(evals/math/serve_sc_lm_eval.py; its own options: --lm-eval --help)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--lm-eval" in argv:
+        from .serve_sc_lm_eval import main as lm_eval_main
+        return lm_eval_main([a for a in argv if a != "--lm-eval"])
     args = ap.parse_args(argv)
+    try:
+        args.rows = [None if r.strip() == "default" else int(r) for r in args.max_num_seqs.split(",")]
+    except ValueError:
+        ap.error("--max-num-seqs: a comma list of ints or 'default'")
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     bad = [c for c in args.configs if c not in CONFIGS]
@@ -249,17 +285,20 @@ def main(argv=None) -> int:
               "seed": args.seed + i * 64} for i, p in enumerate(test_set(args.problems))]
     print(f"serve-sc: configs {args.configs}, concurrency {args.concurrency}, "
           f"{args.problems} problems, n {args.n}, {args.runs} run(s); cpus {os.cpu_count()}")
-    runs = []
+    runs = {rows: [] for rows in args.rows}
     for run in range(args.runs):
         order = args.configs if run % 2 == 0 else args.configs[::-1]
-        runs.append({config: run_config(config, args, probs, args.log_dir, run) for config in order})
-    table = summarize(runs, probs, args)
-    print(markdown(table, args))
+        for rows in args.rows:
+            runs[rows].append({config: run_config(config, args, probs, args.log_dir, run, rows)
+                               for config in order})
+    tables = {rows: summarize(runs[rows], probs, args) for rows in args.rows}
+    for rows, table in tables.items():
+        print(markdown(table, args, rows))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v)
-                                                 for k, v in vars(args).items()},
-                                        "table": list(table.values()),
-                                        "runs": [{c: {str(k): v for k, v in r[c].items()} for c in r}
-                                                 for r in runs]}, indent=1))
-    return 0 if all(r["failed"] == 0 for r in table.values()) else 1
+        args.out.write_text(json.dumps({
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "tables": {str(rows): list(t.values()) for rows, t in tables.items()},
+            "runs": {str(rows): [{c: {str(k): v for k, v in r[c].items()} for c in r} for r in rr]
+                     for rows, rr in runs.items()}}, indent=1))
+    return 0 if all(r["failed"] == 0 for t in tables.values() for r in t.values()) else 1
