@@ -107,13 +107,28 @@ def test_free_rows_open_every_wave_and_costly_rows_none():
     assert len(costly.admit()) == 2  # the first wave only
 
 
+@pytest.mark.parametrize("objective, opened", [("throughput", 1), ("latency", 7)])
+def test_the_latency_objective_weighs_a_wave_against_the_waves_it_saves(objective, opened):
+    # T = 4 + B, one problem holding 2 rows, every later wave worth 0.4.
+    # Rows of work: kappa(B, 2) = B / (4 + B) passes 0.4 at B = 4, so one
+    # wave opens.  The problem's latency: kappa = s b / (a + b s) = 1/3 at
+    # every B (the wave it saves would run beside nothing), so all open.
+    ra = RunAhead(None, FixedCosts(fixed=4.0, per_row=1.0), objective)
+    chosen = ra.choose([(0.4, 2, 0)], spare=14, rows=2, next_candidate=lambda p: (0.4, 2),
+                       own=(2, 1))
+    assert chosen == [0] * opened
+    assert ra.stats.declined == (0 if opened == 7 else 1)
+    with pytest.raises(ValueError, match="objective"):
+        RunAhead(None, None, "answers")
+
+
 def test_a_settling_vote_stops_run_ahead_and_a_split_one_keeps_it():
     def after_first_wave(answers):
         idle = {"rows": 2}
         costs = FixedCosts(fixed=1.0, per_row=1.0)  # kappa(2) = 2/3
         plan = PathPlanner(1, n=16, schedule=Schedule(waves=(2,), capacity=64),
                            stop_check=lambda p, a, r: False, idle_rows=lambda: idle["rows"],
-                           run_ahead=RunAhead(StopRule(), costs))
+                           run_ahead=RunAhead(StopRule(), costs, "throughput"))
         assert plan.admit() == [(0, 0), (0, 1)]  # only two rows idle
         idle["rows"] = 100
         # wave 1: the look after wave 0 (2 paths) cannot stop, so it is

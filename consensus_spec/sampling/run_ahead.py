@@ -11,7 +11,22 @@ time, (B + q s) / T(B + s) > B / T(B), exactly when
 
     q > kappa(B, s) = B (T(B + s) - T(B)) / (s T(B)),
 
-the step time's elasticity in rows.  On an idle GPU at a small batch the
+the step time's elasticity in rows.  That counts rows of work; a client
+waits for answers, and a problem's answer waits for its waves one after
+another.  A wave needed and opened early saves its problem one later
+wave's time, T(B - r + s) a step (the batch without this problem's rows
+but with the wave); the s rows cost every problem in flight T(B + s) - T(B)
+a step.  With k problems in flight holding r rows each (B = k r), the sum
+of their latencies (by Little's law, what answers per second a fixed set
+of clients get) falls exactly when
+
+    q > k (T(B + s) - T(B)) / T(B - r + s)
+      = kappa(B, s) (s / r) T(B) / T(B - r + s),
+
+the ``latency`` objective, the default.  For one problem alone on a step
+that grows linearly, T = a + b B, that is s b / (a + b s): where a row is
+cheap beside the step's fixed cost, every wave starts at once.  With r <= s
+it is the rows-of-work criterion, which ``throughput`` keeps throughout.  On an idle GPU at a small batch the
 step barely grows with B (kappa near 0: every wave starts at once); on a
 CPU, or a batch near its compute bound, kappa nears 1 and only paths
 almost sure to be needed start.  T comes from whatever measures the
@@ -150,7 +165,13 @@ class RunAhead:
 
     rule: StopRule | None
     costs: RowCosts | None = None
+    objective: str = "latency"  # or "throughput" (module docstring)
     stats: RunAheadStats = field(default_factory=RunAheadStats)
+
+    def __post_init__(self) -> None:
+        if self.objective not in ("latency", "throughput"):
+            raise ValueError(f"RunAhead.objective must be 'latency' or 'throughput', "
+                             f"got {self.objective!r}")
 
     def worth(self, answers: Sequence[Any], looks: Sequence[int], n: int) -> float:
         if self.rule is None or not looks:
@@ -163,14 +184,29 @@ class RunAhead:
             return 0.0
         return min(1.0, max(0.0, float(self.costs.elasticity(rows, extra))))
 
+    def _latency_kappa(self, kappa: float, rows: int, s: int, r: float) -> float:
+        """kappa(B, s) (s / r) T(B) / T(B - r + s), T's ratio from the
+        elasticity over the r - s rows between (module docstring)."""
+        if r <= s:
+            return kappa
+        base = max(1, round(rows - r + s))
+        if base >= rows:
+            return kappa
+        ratio = 1.0 + max(0.0, float(self.costs.elasticity(base, rows - base))) * (rows - base) / base
+        return min(1.0, kappa * (s / r) * ratio)
+
     def choose(self, candidates: list[tuple[float, int, int]], spare: int, rows: int,
-               next_candidate: Callable[[int], tuple[float, int] | None]) -> list[int]:
+               next_candidate: Callable[[int], tuple[float, int] | None],
+               own: tuple[int, int] | None = None) -> list[int]:
         """Problems whose next wave to open, in order (a problem may appear
         more than once: its following wave).  ``candidates``: (worth, size,
         problem); ``next_candidate(p)``: p's following wave once this one
-        is open, as (worth, size), or None."""
+        is open, as (worth, size), or None.  ``own``: (rows, problems) the
+        caller has in flight, for the latency objective's r (None: r = s,
+        the throughput criterion)."""
         if rows < 0:
             rows = 0
+        own_rows, own_problems = own if own is not None else (0, 0)
         heap = [(-q, p, s) for q, s, p in candidates]
         heapq.heapify(heap)
         opened: list[int] = []
@@ -180,6 +216,8 @@ class RunAhead:
             if s > spare:
                 continue
             kappa = self.kappa(rows, s)
+            if self.objective == "latency" and own_problems > 0:
+                kappa = self._latency_kappa(kappa, rows, s, own_rows / own_problems)
             self.stats.last_kappa, self.stats.last_rows = kappa, rows
             if q <= kappa:
                 self.stats.declined += 1 + len(heap)
@@ -187,7 +225,7 @@ class RunAhead:
             opened.append(p)
             self.stats.opened += 1
             self.stats.worth_sum += q
-            rows, spare = rows + s, spare - s
+            rows, spare, own_rows = rows + s, spare - s, own_rows + s
             following = next_candidate(p)
             if following is not None:
                 heapq.heappush(heap, (-following[0], p, following[1]))

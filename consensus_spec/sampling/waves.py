@@ -302,7 +302,8 @@ class PathPlanner:
         costs = self.run_ahead.costs
         engine_rows = costs.rows() if costs is not None else 0
         rows = max(engine_rows, self.num_inflight - sending) + sending
-        for p in self.run_ahead.choose(first, spare, rows, following):
+        own = (self.num_inflight, self.next_problem - self._num_done)
+        for p in self.run_ahead.choose(first, spare, rows, following, own):
             self._open_next(p)
         return self._send_ready()
 

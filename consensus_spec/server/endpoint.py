@@ -22,7 +22,9 @@ the stop rule after each wave, aborts of a stopped problem's paths; a
 client that goes away cancels the run, which aborts every path it started.
 Later waves start early where they pay (:mod:`consensus_spec.sampling.run_ahead`),
 by the engine's step cost measured in this process (:mod:`.step_costs`);
-``CONSENSUS_SPEC_SC_RUN_AHEAD=idle`` restores starting them into any idle row.
+``CONSENSUS_SPEC_SC_RUN_AHEAD``: ``measured`` (default; the clients' time
+to their answers), ``throughput`` (rows of work per second), or ``idle``
+(start them into any idle row, as before run-ahead).
 
 Limits, from the server's environment: ``CONSENSUS_SPEC_SC_MAX_N`` (paths
 per problem, default 64), ``CONSENSUS_SPEC_SC_MAX_PROMPTS`` (problems per
@@ -63,7 +65,7 @@ logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handl
 FIXES_PLUGIN = "consensus_spec_vllm_cpu_fixes"
 ENABLE = f"VLLM_PLUGINS={FIXES_PLUGIN},{PLUGIN_NAME}"
 IDLE_FILL = ("any", "oldest")  # CONSENSUS_SPEC_SC_IDLE_FILL
-RUN_AHEAD = ("measured", "idle")  # CONSENSUS_SPEC_SC_RUN_AHEAD
+RUN_AHEAD = ("measured", "throughput", "idle")  # CONSENSUS_SPEC_SC_RUN_AHEAD
 
 
 def _env_int(name: str, default: int) -> int:
@@ -115,7 +117,8 @@ class _State:
         self.limits = limits
         self.max_num_seqs = max_num_seqs
         self.defaults = defaults or {}
-        self.measured_run_ahead = run_ahead == "measured"
+        self.run_ahead_mode = run_ahead
+        self.measured_run_ahead = run_ahead != "idle"
         self.costs = costs  # EngineStepCosts (step_costs.py)
         self.renderer = renderer  # vLLM's OnlineRenderer (the OpenAI-shaped routes)
         self.run_ahead_total = RunAheadStats()
@@ -169,7 +172,7 @@ class _State:
                            "max_inflight": self.limits.max_inflight,
                            "idle_fill": self.limits.idle_fill},
                 "defaults": self.defaults,
-                "run_ahead": {"mode": "measured" if self.measured_run_ahead else "idle",
+                "run_ahead": {"mode": self.run_ahead_mode,
                               **self.run_ahead_total.as_dict()},
                 "step_costs": self.costs.summary() if self.costs is not None else None}
 

@@ -43,7 +43,8 @@ async def run_request(st, raw_request, run_id: str, prompts: list, make_params: 
     from ..sampling.async_loop import run_paths_async
 
     costs = engine_costs()
-    run_ahead = RunAhead(opts.stop_rule, costs) if st.measured_run_ahead else None
+    objective = "throughput" if st.run_ahead_mode == "throughput" else "latency"
+    run_ahead = RunAhead(opts.stop_rule, costs, objective) if st.measured_run_ahead else None
 
     def on_submit(count: int) -> None:
         if run_id in st.runs:  # a cancelled run's shielded clean-up may end after it left

@@ -121,7 +121,8 @@ def run_config(config: str, args, probs: list[dict], log_dir: Path, run: int,
     from .servers import VllmServer
 
     spec = config != "client-nospec"
-    env = {"VLLM_PLUGINS": PLUGINS} if config.startswith("endpoint") else {}
+    env = {"VLLM_PLUGINS": PLUGINS, "CONSENSUS_SPEC_SC_RUN_AHEAD": args.run_ahead} \
+        if config.startswith("endpoint") else {}
     out = {}
     with VllmServer(server_args(model_path(), spec, rows, args.max_model_len),
                     log_dir / f"run{run}_{config}_{rows or 'default'}.log", env) as server:
@@ -134,6 +135,10 @@ def run_config(config: str, args, probs: list[dict], log_dir: Path, run: int,
             wall = time.monotonic() - wall0
             out[conc] = {"records": records, "wall_s": wall, "server_cpu_s": server.cpu_s() - cpu0,
                          "client_cpu_s": time.process_time() - proc0}
+            if config.startswith("endpoint"):  # what run-ahead decided and the costs it saw
+                import requests
+                out[conc]["state"] = requests.get(server.base_url + "/v1/self_consistency/state",
+                                                  timeout=30).json()
             print(f"  run {run} {config:15s} rows {rows or 'default'} concurrency {conc:3d}: "
                   f"{len(probs) / wall:6.3f} "
                   f"answers/s, wall {wall:6.1f} s, server CPU {out[conc]['server_cpu_s']:6.1f} s",
@@ -254,6 +259,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--run-ahead", default="measured", choices=("measured", "throughput", "idle"),
+                    help="the endpoint's CONSENSUS_SPEC_SC_RUN_AHEAD")
     ap.add_argument("--schedule", help="the endpoint's wave schedule (default: the endpoint's own)")
     ap.add_argument("--seed", type=int, default=1000)
     ap.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
