@@ -32,7 +32,7 @@ Methods:
   contexts by each row's current tokens, K fixed per step. vLLM's Model
   Runner V2 passes its speculators the scheduled k, so a schedule applies.
 - ``device-emul-lag0|1|2``: the emulation the route was decided on
-  (:mod:`evals.replay.device_route`), which reads the tries directly; its
+  (:mod:`evals.replay.device_emulation`), which reads the tries directly; its
   drafts must equal the speculator's token for token (``drafts_sha1``).
 """
 
@@ -212,7 +212,7 @@ def make_drafter(method: str, k: int, max_model_len: int, max_num_seqs: int,
         from consensus_spec.device_route.options import drafter_options
         from consensus_spec.vllm.options import split_options
 
-        from .device_route import DeviceRouteDrafter
+        from .device_emulation import DeviceRouteDrafter
         lag = int(method.removeprefix("device-emul-lag"))
         options, _, route = split_options({**(consensus_options or {}), "lag": lag})
         # the options the speculator runs with (its cross-group cap), so drafts can match
