@@ -42,24 +42,9 @@ import sys
 import time
 from pathlib import Path
 
+from .servers import PLUGINS, SERVED, VllmServer, server_args
+
 CONFIGS = ("endpoint", "endpoint-openai", "endpoint-full", "client", "client-nospec")
-PLUGINS = "consensus_spec_vllm_cpu_fixes,consensus_spec_self_consistency"
-SERVED = "consensus-tiny"
-
-
-def server_args(model: str, spec: bool, max_num_seqs: int | None, max_model_len: int,
-                dtype: str = "float32", memory: float = 0.1) -> list[str]:
-    """A server's flags; ``max_num_seqs`` None leaves vLLM's default; ``memory``
-    is ``--gpu-memory-utilization`` (on CPU, a share of RAM)."""
-    args = ["--model", model, "--served-model-name", SERVED, "--max-model-len", str(max_model_len),
-            "--gpu-memory-utilization", str(memory), "--dtype", dtype, "--enforce-eager", "--seed", "0"]
-    if max_num_seqs is not None:
-        args += ["--max-num-seqs", str(max_num_seqs)]
-    if spec:
-        args += ["--speculative-config", json.dumps({
-            "method": "custom_class", "model": "consensus_spec.ConsensusProposer",
-            "num_speculative_tokens": 8})]
-    return args
 
 
 def ask(base_url: str, config: str, prob: dict, args) -> dict:
@@ -117,8 +102,6 @@ def run_config(config: str, args, probs: list[dict], log_dir: Path, run: int,
                rows: int | None) -> dict:
     """One server for ``config``: a warm-up request, then every concurrency."""
     from consensus_spec.model import model_path
-
-    from .servers import VllmServer
 
     spec = config != "client-nospec"
     env = {"VLLM_PLUGINS": PLUGINS} if config.startswith("endpoint") else {}

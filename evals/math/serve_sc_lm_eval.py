@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .serve_sc import PLUGINS, SERVED, server_args
+from .servers import PLUGINS, SERVED, VllmServer, server_args
 
 SC_REGEX = r"The answer is (\-?[0-9\.\,]*[0-9]+)"  # gsm8k-cot-self-consistency.yaml's
 CONFIGS = ("repeats", "base-url")
@@ -135,8 +135,6 @@ def main(argv=None) -> int:
     rows = None if args.max_num_seqs == "default" else int(args.max_num_seqs)
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from .servers import VllmServer
-
     include = Path(tempfile.mkdtemp(prefix="sc_lm_eval_"))
     tasks = task_files(include, args.data.resolve(), args.n)
     records: dict[str, list] = {c: [] for c in configs}
