@@ -37,6 +37,7 @@ import time
 
 from consensus_spec.sampling.stopping import StopRule, should_stop_ids
 
+from ..options import write_json
 from ..traces import load_tokenizer, shared_path
 from .stop_rules_cv import GUARANTEED, choose_default, loso, markdown, meets, pct, plot, summary
 from .vote_traces import VoteTrace, load_vote_traces
@@ -268,13 +269,10 @@ def select(args, sets: dict, skipped: dict, hard_share: float, looks: str, start
     if args.plot and plot(sets, chosen, args.plot, looks):
         print(f"wrote {args.plot}")
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items()}, "hard_share": hard_share,
-                       "skipped": skipped, "sets": sets, "selection": table, "loso": folds,
-                       "loso_any_rule": folds_any, "default": chosen,
-                       "meets": {name: {r: meets(v) for r, v in s["rules"].items()} for name, s in sets.items()}},
-                      f, indent=1)
+        meets_by_set = {name: {r: meets(v) for r, v in s["rules"].items()} for name, s in sets.items()}
+        write_json(args.out, {"args": vars(args), "hard_share": hard_share, "skipped": skipped,
+                              "sets": sets, "selection": table, "loso": folds,
+                              "loso_any_rule": folds_any, "default": chosen, "meets": meets_by_set})
         with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
             f.write(text + "\n")
         print(f"wrote {args.out}")

@@ -280,9 +280,9 @@ def plot(rows: list[dict], path: str) -> bool:
     vote, one colour per schedule x rule, circles without drafting and
     squares with consensus drafting (mean over path orders, bars down to the
     worst order)."""
-    from ..math.report import _pyplot, save_figure
+    from ..math.report import load_pyplot, save_figure
 
-    _, plt = _pyplot()
+    _, plt = load_pyplot()
     if plt is None:
         return False
     names = list(dict.fromkeys(r["traces"] for r in rows))

@@ -32,7 +32,7 @@ import json
 import os
 import sys
 
-from ..options import parse_options
+from ..options import parse_options, write_json
 from . import report
 from .configs import (
     DEFAULT_MAX_TOKENS,
@@ -213,13 +213,11 @@ def dry_run(args, problems) -> dict:
 def write_outputs(args, rows, problems, dataset_name: str, table: str,
                   points: list[dict] | None = None) -> list[str]:
     out = args.out
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     meta = {k: v for k, v in vars(args).items() if k not in ("option", "configs")}
     meta["configs"] = [(n, s.describe(), early_stop_label(r)) for n, s, r in getattr(args, "configs", [])]
     public = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
-    with open(out + ".json", "w") as f:
-        json.dump({"dataset": dataset_name, "num_problems": len(problems), "args": meta,
-                   "results": public, "tradeoff_replay": points or []}, f, indent=1, default=str)
+    write_json(out + ".json", {"dataset": dataset_name, "num_problems": len(problems), "args": meta,
+                               "results": public, "tradeoff_replay": points or []}, default=str)
     with open(out + ".md", "w") as f:
         f.write(f"dataset {dataset_name}, {len(problems)} problems, model {args.model}, "
                 f"temperature {args.temperature}, k={args.k}\n\n{table}\n")

@@ -238,7 +238,8 @@ def tradeoff_markdown(points: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _pyplot():
+def load_pyplot():
+    """(matplotlib, pyplot) on the Agg backend; (None, None) where it is not installed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -259,7 +260,7 @@ def save_figure(plt, fig, path: str) -> bool:
 
 def plot(rows: list[dict], path: str) -> bool:
     """Speedup and accuracy against n, one line per method/waves/early stop."""
-    matplotlib, plt = _pyplot()
+    matplotlib, plt = load_pyplot()
     if plt is None:
         return False
     series: dict[str, list[dict]] = {}
@@ -297,7 +298,7 @@ def plot(rows: list[dict], path: str) -> bool:
 def plot_tradeoff(rows: list[dict], points: list[dict], path: str) -> bool:
     """Tokens (share of the plain run) against agreement with its full-n answer:
     replayed rules as curves, measured runs as large markers."""
-    _, plt = _pyplot()
+    _, plt = load_pyplot()
     if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.6))

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import itertools
-import json
 import math
 import os
 import statistics
@@ -42,6 +41,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..options import write_json
 from .servers import PLUGINS, SERVED, VllmServer, server_args
 
 CONFIGS = ("endpoint", "endpoint-openai", "endpoint-full", "client", "client-nospec")
@@ -278,10 +278,9 @@ def main(argv=None) -> int:
     for rows, table in tables.items():
         print(markdown(table, args, rows))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({
+        write_json(args.out, {
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "tables": {str(rows): list(t.values()) for rows, t in tables.items()},
             "runs": {str(rows): [{c: {str(k): v for k, v in r[c].items()} for c in r} for r in rr]
-                     for rows, rr in runs.items()}}, indent=1))
+                     for rows, rr in runs.items()}})
     return 0 if all(r["failed"] == 0 for t in tables.values() for r in t.values()) else 1

@@ -23,13 +23,13 @@ process's CPU (lm-eval runs in it), accuracy, distinct completions.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from ..options import write_json
 from .servers import PLUGINS, SERVED, VllmServer, server_args
 
 SC_REGEX = r"The answer is (\-?[0-9\.\,]*[0-9]+)"  # gsm8k-cot-self-consistency.yaml's
@@ -156,9 +156,7 @@ def main(argv=None) -> int:
                   f"completions {statistics.fmean(rec['distinct']):.1f} of {args.n}", flush=True)
     print(markdown(records, args))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                        "records": records}, indent=1))
+        write_json(args.out, {"args": {k: str(v) for k, v in vars(args).items()}, "records": records})
     return 0
 
 

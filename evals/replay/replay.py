@@ -36,6 +36,7 @@ from .bench import DEFAULT_HOST_TIME, Bench, load_tables, pick_schedule
 from .projection import DEFAULT_COSTS
 from .drafters import DEVICE_METHODS, METHODS, SCHEDULABLE
 from .report import markdown, sweep_markdown, targets
+from ..options import write_results
 from ..traces import TraceError, load_problems, load_tokenizer, shared_path
 
 DEFAULT_TRACES = ("addsub_codex002_n40.jsonl", "gsm8k_qwen3_4b_n8.jsonl", "svamp_pot_codex002_n30.jsonl")
@@ -232,18 +233,9 @@ def main(argv=None) -> int:
         table += ("\n\nCPU speed during the run: a fixed pure-Python loop (5M additions) took "
                   + " / ".join(f"{x:.2f}" for x in reference) + " s of CPU time before / after "
                   "(drafter times scale with it).")
-    print(table)
-    if sweep_table:
-        print("\n" + sweep_table)
-    if checks:
-        print("\nTargets:\n" + "\n".join("- " + c for c in checks))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump({"args": vars(args), "cpu_reference_s": reference, "results": results, "sweep": sweeps,
-                   "schedules": {n: {m: {k: v for k, v in p.items()} for m, p in t.items()}
-                                 for n, t in tuned.items()}}, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(table + "\n" + ("\n" + sweep_table + "\n" if sweep_table else "")
-                + ("\nTargets:\n" + "\n".join("- " + c for c in checks) + "\n" if checks else ""))
-    print(f"wrote {args.out}.json and {args.out}.md")
+    text = (table + ("\n\n" + sweep_table if sweep_table else "")
+            + ("\n\nTargets:\n" + "\n".join("- " + c for c in checks) if checks else ""))
+    print(text)
+    write_results(args.out, {"args": vars(args), "cpu_reference_s": reference, "results": results,
+                             "sweep": sweeps, "schedules": tuned}, text)
     return 0
