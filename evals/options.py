@@ -21,6 +21,13 @@ def parse_options(pairs: list[str]) -> dict:
     return out
 
 
+def add_trace_args(ap, defaults: str = "the shared traces") -> None:
+    """``--traces``, ``--limit`` and ``--tokenizer``: the replays' trace sets."""
+    ap.add_argument("--traces", nargs="+", help=f"trace files (default: {defaults})")
+    ap.add_argument("--limit", type=int, help="first N problems of each set")
+    ap.add_argument("--tokenizer", help="tokenizer.json (default: shared GPT-2)")
+
+
 def write_json(path, payload, indent: int | None = 1, default=None) -> None:
     """``payload`` as JSON at ``path``, creating its folder."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

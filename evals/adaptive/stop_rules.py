@@ -37,7 +37,7 @@ import time
 
 from consensus_spec.sampling.stopping import StopRule, should_stop_ids
 
-from ..options import write_json
+from ..options import add_trace_args, write_json
 from ..traces import load_tokenizer, shared_path
 from .stop_rules_cv import GUARANTEED, choose_default, loso, markdown, meets, pct, plot, summary
 from .vote_traces import VoteTrace, load_vote_traces
@@ -175,14 +175,12 @@ def grid() -> list[StopRule]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m evals stop-rules", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--traces", nargs="+", help="trace files (default: the shared traces)")
-    ap.add_argument("--limit", type=int, help="first N problems of each set")
+    add_trace_args(ap)
     ap.add_argument("--perms", type=int, default=20, help="random sample orders per problem")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--waves", nargs="+", metavar="SIZE", default=["2"],
                     help="check only after waves of these sizes, e.g. 1 2 4 rest (default: 2, as the "
                          "default Schedule; 1: after every sample)")
-    ap.add_argument("--tokenizer", help="tokenizer.json (default: shared GPT-2)")
     ap.add_argument("--out", default="results/stopping.json", help="JSON path (markdown next to it)")
     ap.add_argument("--plot", help="PNG path for tokens against agreement per set and rule")
     ap.add_argument("--per-problem", action="store_true",

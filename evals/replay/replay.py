@@ -36,7 +36,7 @@ from .bench import DEFAULT_HOST_TIME, Bench, load_tables, pick_schedule
 from .projection import DEFAULT_COSTS
 from .drafters import DEVICE_METHODS, METHODS, SCHEDULABLE
 from .report import markdown, sweep_markdown, targets
-from ..options import write_results
+from ..options import add_trace_args, write_results
 from ..traces import TraceError, load_problems, load_tokenizer, shared_path
 
 DEFAULT_TRACES = ("addsub_codex002_n40.jsonl", "gsm8k_qwen3_4b_n8.jsonl", "svamp_pot_codex002_n30.jsonl")
@@ -46,15 +46,13 @@ SWEEP_K = (0, 1, 2, 3, 4, 6, 8)
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m evals replay", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--traces", nargs="+", help="trace files (default: the shared traces)")
+    add_trace_args(ap)
     ap.add_argument("--methods", nargs="+", default=[m for m in METHODS if m not in DEVICE_METHODS],
                     choices=METHODS, help="default: all but the device-route emulations (device-lag*)")
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens (the most any step drafts)")
     ap.add_argument("--scouts", type=int, nargs="+", default=[0], help="scout counts to run")
     ap.add_argument("--batches", type=int, nargs="+", default=list(PROJECTED_BATCHES),
                     help="batch sizes (rows) to replay at; each is projected at its own size")
-    ap.add_argument("--limit", type=int, help="first N problems of each set")
-    ap.add_argument("--tokenizer", help="tokenizer.json (default: shared GPT-2)")
     ap.add_argument("--costs", default=DEFAULT_COSTS)
     ap.add_argument("--host-time", default=DEFAULT_HOST_TIME,
                     help="host ms per step by batch size ({\"B\", \"host_ms\"} JSONL from "
