@@ -159,7 +159,7 @@ def markdown(sets: dict[str, dict], default: str, folds: list[dict], folds_any: 
 
 def plot(sets: dict[str, dict], default: str, path: str, looks: str = "waves of 2") -> bool:
     """Token share against agreement, per set and rule family; the default starred."""
-    from ..math.report import load_pyplot, save_figure
+    from ..plots import load_pyplot, save_figure
 
     _, plt = load_pyplot()
     if plt is None:

@@ -266,7 +266,7 @@ def plot(rows: list[dict], path: str) -> bool:
     vote, one colour per schedule x rule, circles without drafting and
     squares with consensus drafting (mean over path orders, bars down to the
     worst order)."""
-    from ..math.report import load_pyplot, save_figure
+    from ..plots import load_pyplot, save_figure
 
     _, plt = load_pyplot()
     if plt is None:

@@ -10,8 +10,9 @@ independent runs add).
 
 from __future__ import annotations
 
-import sys
 from typing import Iterable
+
+from ..plots import load_pyplot, save_figure
 
 PLAIN = ("all", "off")
 # Rules replayed for the trade-off curve (waves: the run's, or the default).
@@ -236,26 +237,6 @@ def tradeoff_markdown(points: list[dict]) -> str:
                      f"{100 * p['tokens_frac']:.1f} | {100 * p['agreement']:.1f} | "
                      f"{p['maj']:.3f} / {p['maj_full']:.3f} |")
     return "\n".join(lines)
-
-
-def load_pyplot():
-    """(matplotlib, pyplot) on the Agg backend; (None, None) where it is not installed."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
-        return None, None
-    return matplotlib, plt
-
-
-def save_figure(plt, fig, path: str) -> bool:
-    """Lay out, write and close ``fig``; True (for the callers' return)."""
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
 
 
 def plot(rows: list[dict], path: str) -> bool:
