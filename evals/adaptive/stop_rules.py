@@ -29,6 +29,7 @@ default, tables, plot) on them.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -72,6 +73,11 @@ def checkpoints(n: int, waves: list[int | None] | None) -> list[int]:
         out.append(done)
         i += 1
     return out[:-1]
+
+
+def wave_ends(sizes: list[int], n: int) -> list[int]:
+    """Paths done after each wave of ``sizes`` but the last: where the vote is taken."""
+    return [end for end in itertools.accumulate(sizes) if end < n]
 
 
 def prefix_tallies(ids: list[int | None]) -> list[list[tuple[int, int]]]:

@@ -150,20 +150,13 @@ def replay(plain: dict, wave_sizes: list[int], rule, check: str = "wave") -> dic
     order: all paths ran at once), checked after the waves ``wave_sizes`` (or
     every path with ``check="path"``).  Returns the share of tokens used,
     agreement with the plain run's own full-n vote, and maj accuracy."""
-    from ..adaptive.stop_rules import prefix_tallies, replay_order
+    from ..adaptive.stop_rules import prefix_tallies, replay_order, wave_ends
 
     used_tok = full_tok = agree = correct = 0
     problems = answer_classes(plain)
     for ids, tokens, right in problems:
         n = len(ids)
-        if check == "path":
-            checks = list(range(1, n))
-        else:
-            checks, done = [], 0
-            for size in wave_sizes:
-                done += size
-                if done < n:
-                    checks.append(done)
+        checks = list(range(1, n)) if check == "path" else wave_ends(wave_sizes, n)
         _, tok, stopped, full = replay_order(ids, tokens, rule, checks, prefix_tallies(ids))
         used_tok += tok
         full_tok += sum(tokens)

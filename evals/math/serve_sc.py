@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import itertools
 import math
 import os
 import statistics
@@ -146,11 +145,11 @@ def replayed_stop(record: dict, n: int, schedule: str | None = None) -> dict:
     from consensus_spec.sampling.waves import Schedule
     from consensus_spec.voting.vote import cluster_answers
 
-    from ..adaptive.stop_rules import replay_order
+    from ..adaptive.stop_rules import replay_order, wave_ends
 
     ids = cluster_answers(record["path_answers"])
     waves = Schedule.parse(schedule) if schedule else Schedule()
-    checks = [end for end in itertools.accumulate(waves.sizes(n)) if end < n]
+    checks = wave_ends(waves.sizes(n), n)
     used, tokens, stopped, full = replay_order(ids, record["path_tokens"], StopRule(), checks)
     return {"agree": stopped == full, "paths": used, "tokens": tokens}
 
