@@ -2,7 +2,7 @@
 markdown (each variant's tau and projected speedup; the table's size and
 refresh cost against the lag's budget), and with ``--host-bench`` the host
 part of the speculator timed per call on a trace file. The route and its
-emulation: :mod:`evals.replay.device_emulation`."""
+emulation: :mod:`evals.replay.device_drafters`."""
 
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def host_bench(traces: str, rows: int, k: int, lag: int, limit: int, repeats: in
     from consensus_spec.drafting.drafter import DrafterOptions
 
     from ..traces import load_problems, load_tokenizer
-    from .device_emulation import DeviceRouteDrafter
+    from .device_drafters import DeviceRouteDrafter
     from .engine import replay
 
     problems = load_problems(traces, load_tokenizer(tokenizer), limit=limit)
