@@ -21,11 +21,23 @@ def parse_options(pairs: list[str]) -> dict:
     return out
 
 
+def add_trace_args(ap, defaults: str = "the shared traces") -> None:
+    """``--traces``, ``--limit`` and ``--tokenizer``: the replays' trace sets."""
+    ap.add_argument("--traces", nargs="+", help=f"trace files (default: {defaults})")
+    ap.add_argument("--limit", type=int, help="first N problems of each set")
+    ap.add_argument("--tokenizer", help="tokenizer.json (default: shared GPT-2)")
+
+
+def write_json(path, payload, indent: int | None = 1, default=None) -> None:
+    """``payload`` as JSON at ``path``, creating its folder."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=indent, default=default)
+
+
 def write_results(out: str, payload: dict, table: str) -> None:
     """``out``.json (``payload``) and ``out``.md (``table``), creating the folder."""
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out + ".json", "w") as f:
-        json.dump(payload, f, indent=1)
+    write_json(out + ".json", payload)
     with open(out + ".md", "w") as f:
         f.write(table + "\n")
     print(f"wrote {out}.json and {out}.md")

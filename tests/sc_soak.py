@@ -4,7 +4,7 @@
 
 Starts the API server on the embedded model with consensus drafting and the
 endpoint plugin (``VLLM_PLUGINS`` naming both of this package's plugins),
-through :mod:`tests.server_soak`'s ``Server`` (own process group, always
+through :mod:`evals.math.servers`'s ``VllmServer`` (own process group, always
 stopped).  The soak sends ``--requests`` requests from ``--threads``
 threads, every other one through the OpenAI-shaped routes
 (``/v1/self_consistency/completions`` and ``.../chat/completions``), mixing
@@ -29,20 +29,19 @@ import time
 import uuid
 from pathlib import Path
 
+from evals.math.servers import PLUGINS, VllmServer
 from tests import server_soak
-from tests.server_soak import SERVED_NAME, Server
+from tests.server_soak import SERVED_NAME, checkout_server
 
-PLUGINS = "consensus_spec_vllm_cpu_fixes,consensus_spec_self_consistency"
 ROUTE = "/v1/self_consistency"
 TIMEOUT_S = 180.0
 
 
 def start_server(log_dir: Path, env: dict | None = None, spec: bool = True,
-                 extra: list[str] | None = None) -> Server:
-    port = server_soak.free_port()
-    cmd = server_soak.server_command(server_soak.model_path(), port, spec=spec, extra=extra)
-    server = Server("sc", cmd, port, Path(log_dir) / "sc_server.log",
-                    env={"VLLM_PLUGINS": PLUGINS, **(env or {})})
+                 extra: list[str] | None = None) -> VllmServer:
+    flags = server_soak.server_command(server_soak.model_path(), spec=spec, extra=extra)
+    server = checkout_server("sc", flags, Path(log_dir) / "sc_server.log",
+                             env={"VLLM_PLUGINS": PLUGINS, **(env or {})})
     return server.start()
 
 

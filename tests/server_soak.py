@@ -39,21 +39,18 @@ import json
 import os
 import random
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from evals.math.servers import HOST, free_port, process_tree  # one definition, shared with evals
+from evals.math.servers import (  # one definition, shared with evals
+    SERVED, VllmServer, process_group, process_tree, server_args)
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_MODEL_LEN = 512
-SERVED_NAME = "consensus-tiny"
-HEALTH_TIMEOUT_S = 480.0  # start-up takes 20-60 s idle, several minutes on a loaded box
+SERVED_NAME = SERVED
 REQUEST_TIMEOUT_S = 180.0   # one good request (n samples)
 BAD_TIMEOUT_S = 60.0        # one malformed request: a hang past this is a finding
 MAX_SECOND_HALF_GROWTH_MB = 300.0
@@ -152,165 +149,27 @@ def logging_env(log_dir: Path) -> dict:
     return {"VLLM_LOGGING_CONFIG_PATH": str(path)}
 
 
-def server_command(model: str, port: int, spec: bool, num_speculative_tokens: int = 8,
+def server_command(model: str, spec: bool, num_speculative_tokens: int = 8,
                    options: dict | None = None, extra: list[str] | None = None,
                    probe: bool = False) -> list[str]:
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-           "--served-model-name", SERVED_NAME, "--host", HOST, "--port", str(port),
-           "--gpu-memory-utilization", "0.1", "--max-model-len", str(MAX_MODEL_LEN),
-           "--dtype", "float32", "--enforce-eager", "--seed", "0"]
+    """The server's flags (host and port are the server's own)."""
+    flags = server_args(model, spec, None, MAX_MODEL_LEN, num_speculative_tokens=num_speculative_tokens)
     if spec:
-        cmd += ["--speculative-config", json.dumps({
-                    "method": "custom_class", "model": "consensus_spec.ConsensusProposer",
-                    "num_speculative_tokens": num_speculative_tokens}),
-                "--additional-config", json.dumps({"consensus_spec": options or {"max_depth": 8}}),
-                "--worker-extension-cls", EXTENSION]
+        flags += ["--additional-config", json.dumps({"consensus_spec": options or {"max_depth": 8}}),
+                  "--worker-extension-cls", EXTENSION]
     elif probe:
-        cmd += ["--worker-extension-cls", EXTENSION]
-    return cmd + list(extra or [])
+        flags += ["--worker-extension-cls", EXTENSION]
+    return flags + list(extra or [])
 
 
-@dataclass
-class Server:
-    """A vLLM API server in its own process group, logging to ``log_path``."""
-
-    name: str
-    cmd: list[str]
-    port: int
-    log_path: Path
-    env: dict = field(default_factory=dict)
-    proc: subprocess.Popen | None = None
-    started_at: float = 0.0
-    ready_s: float | None = None
-    exit_code: int | None = None
-    _stopped: bool = False
-    stop_offset: int | None = None   # log size when stop() began
-    leftover: list = field(default_factory=list)  # group members alive after the SIGTERM
-
-    @property
-    def base_url(self) -> str:
-        return f"http://{HOST}:{self.port}"
-
-    def start(self) -> "Server":
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p), **self.env}
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "wb")
-        self.started_at = time.monotonic()
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
-        return self
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def health(self, timeout: float = 5.0) -> int | None:
-        import requests
-        try:
-            return requests.get(self.base_url + "/health", timeout=timeout).status_code
-        except requests.RequestException:
-            return None
-
-    def wait_ready(self, timeout: float = HEALTH_TIMEOUT_S) -> float:
-        """Poll ``/health`` until 200 (bounded); raises with the log tail if
-        the process dies or the deadline passes."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self.alive():
-                raise RuntimeError(f"{self.name} server exited with {self.proc.returncode} "
-                                   f"before becoming healthy:\n{self.log_tail()}")
-            if self.health(timeout=2.0) == 200:
-                self.ready_s = time.monotonic() - self.started_at
-                return self.ready_s
-            time.sleep(1.0)
-        raise TimeoutError(f"{self.name} server not healthy after {timeout:.0f} s:\n{self.log_tail()}")
-
-    def stop(self, grace: float = 30.0) -> None:
-        """SIGTERM the API server (it shuts its engine down), SIGKILL the
-        whole process group if the server is not gone after ``grace``
-        seconds or left any process behind. Idempotent."""
-        if self.proc is None or self._stopped:
-            return
-        self._stopped = True
-        self.stop_offset = self._log_size()
-        pgid = self.proc.pid  # start_new_session: the server leads its own group
-        if self.proc.poll() is None:
-            try:
-                self.proc.send_signal(signal.SIGTERM)
-                self.proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                pass
-        deadline = time.monotonic() + 10.0
-        while process_group(pgid) and time.monotonic() < deadline:
-            if self.proc.poll() is not None:  # leader gone, children lingering
-                time.sleep(0.5)
-            else:
-                break
-        self.leftover = process_group(pgid)
-        if self.leftover or self.proc.poll() is None:
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        try:
-            self.exit_code = self.proc.wait(timeout=10.0)
-        except subprocess.TimeoutExpired:
-            self.exit_code = None
-        self._log.close()
-
-    def _log_size(self) -> int:
-        try:
-            return self.log_path.stat().st_size
-        except OSError:
-            return 0
-
-    def log_text(self, until_stop: bool = False) -> str:
-        """The log (up to the moment :meth:`stop` began, if ``until_stop``)."""
-        try:
-            data = self.log_path.read_bytes()
-        except OSError:
-            return ""
-        if until_stop and self.stop_offset is not None:
-            data = data[:self.stop_offset]
-        return data.decode(errors="replace")
-
-    def shutdown_log(self) -> str:
-        """What the server logged while being stopped."""
-        if self.stop_offset is None:
-            return ""
-        try:
-            return self.log_path.read_bytes()[self.stop_offset:].decode(errors="replace")
-        except OSError:
-            return ""
-
-    def log_tail(self, chars: int = 4000) -> str:
-        return self.log_text()[-chars:]
-
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc):
-        self.stop()
+def checkout_server(name: str, flags: list[str], log_path: Path, env: dict | None = None) -> VllmServer:
+    """A server that can import this checkout (the worker extension lives in tests/)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return VllmServer(flags, log_path, {"PYTHONPATH": path, **(env or {})}, name=name, cwd=ROOT)
 
 
 # --------------------------------------------------------------------------
 # Memory: RSS of a process tree
-
-
-def process_group(pgid: int) -> list[int]:
-    """Live (non-zombie) processes whose process group is ``pgid``."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            out.append(int(entry))
-    return out
 
 
 def rss_kb(pid: int) -> int:
@@ -544,7 +403,7 @@ def complete(client, req: dict) -> dict:
         return {"ok": False, "s": time.monotonic() - t0, "error": f"{type(e).__name__}: {e}"[:500]}
 
 
-def run_soak(server: Server, reqs: list[dict], threads: int, n: int,
+def run_soak(server: VllmServer, reqs: list[dict], threads: int, n: int,
              bad_rounds: int = 3, deadline_s: float = 1800.0, on_done=None) -> dict:
     """Send ``reqs`` from ``threads`` threads; ``bad_rounds`` rounds of
     malformed requests go out concurrently once 10%, 40%, 70%... of the good
@@ -634,7 +493,7 @@ def _count(items) -> dict:
     return out
 
 
-def run_greedy(server: Server, prompts: list[dict], threads: int = 8) -> list[dict]:
+def run_greedy(server: VllmServer, prompts: list[dict], threads: int = 8) -> list[dict]:
     client = make_client(server.base_url)
     with cf.ThreadPoolExecutor(threads) as pool:
         return list(pool.map(lambda r: complete(client, r), prompts))
@@ -781,12 +640,13 @@ def soak(num_requests: int = 200, threads: int = 16, n: int = 8, greedy_count: i
                                "log_dir": str(log_dir)}}
     t_all = time.monotonic()
     log_env = logging_env(log_dir)
-    spec = Server("spec", [], free_port(), log_dir / "spec_server.log",
-                  env={**log_env, **(server_env or {}), "VLLM_SERVER_DEV_MODE": "1"})  # dev mode: /collective_rpc
-    spec.cmd = server_command(model, spec.port, spec=True, options=options)
-    plain = Server("plain", [], free_port(), log_dir / "plain_server.log",
-                   env={**log_env, **(server_env or {}), **({"VLLM_SERVER_DEV_MODE": "1"} if trim else {})})
-    plain.cmd = server_command(model, plain.port, spec=False, probe=trim)
+    spec = checkout_server("spec", server_command(model, spec=True, options=options),
+                           log_dir / "spec_server.log",  # dev mode: /collective_rpc
+                           env={**log_env, **(server_env or {}), "VLLM_SERVER_DEV_MODE": "1"})
+    plain = checkout_server("plain", server_command(model, spec=False, probe=trim),
+                            log_dir / "plain_server.log",
+                            env={**log_env, **(server_env or {}),
+                                 **({"VLLM_SERVER_DEV_MODE": "1"} if trim else {})})
     report["spec_server"] = {"cmd": spec.cmd}
     report["plain_server"] = {"cmd": plain.cmd}
     spec_greedy = plain_greedy = None
@@ -876,7 +736,7 @@ def soak(num_requests: int = 200, threads: int = 16, n: int = 8, greedy_count: i
     return report
 
 
-def _server_end(entry: dict, server: Server) -> None:
+def _server_end(entry: dict, server: VllmServer) -> None:
     entry.update(exit_code=server.exit_code, left_after_sigterm=server.leftover,
                  left_at_end=process_group(server.proc.pid) if server.proc else [])
 

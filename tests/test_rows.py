@@ -4,7 +4,7 @@ the way vLLM's input batch changes (condense, preemption, missed steps)."""
 import numpy as np
 import pytest
 
-from consensus_spec.vllm import rows as rows_module
+from consensus_spec.vllm import row_kernels, rows as rows_module
 from consensus_spec.vllm.rows import RowTracker
 
 MASK = 2**64 - 1
@@ -218,12 +218,12 @@ def test_incremental_hash_equals_hash_from_scratch():
     assert b.tracker.paths_started == 4 and b.tracker.paths_moved == 0
     scratch = np.empty(401, np.uint64)
     for r in range(4):  # the compiled all-prefixes pass agrees at every length
-        rows_module._prefixes(b.buf, r, int(b.n[r]), scratch)
+        row_kernels._prefixes(b.buf, r, int(b.n[r]), scratch)
         tokens = b.tokens(r)
         for n in range(0, len(tokens) + 1, 7):
             assert int(scratch[n]) == reference_hash(tokens[:n])
     assert reference_hash([0, 1]) != reference_hash([1, 0])
-    assert reference_hash([2**31 - 1]) == int(rows_module._extend(
+    assert reference_hash([2**31 - 1]) == int(row_kernels._extend(
         np.uint64(0), np.array([[2**31 - 1]], np.int32), 0, 0, 1))
 
 

@@ -1,46 +1,13 @@
-"""Which path is in which batch row, found from token content alone.
+"""Which path is in which batch row: :class:`RowTracker` parks and resumes
+paths in Python around one compiled call per step that matches every row
+from token content alone (how, and what it cannot tell apart: the
+docstring of :mod:`.row_kernels`).
 
-vLLM's proposer interface passes no request ids: rows are condensed when
-requests finish, reused, preempted and resumed, prefills arrive in chunks,
-and whole steps go by without a propose call (vLLM skips the drafter while
-any row is within ``k`` tokens of ``max_model_len``). A path is known by a
-64-bit hash of its whole token sequence, kept per row and extended by each
-step's new tokens, so paths of different prompts (or siblings that differ
-anywhere) are not confused because their length and last tokens agree.
-
-A row keeps its path while it continues exactly where that path left off:
-same length, last four tokens in place (O(1) per row: the steady state).
-A former path its own row does not continue is a free candidate (vLLM
-condenses the batch by moving its last rows into the holes finished
-requests left). Rows that don't continue exactly are rare (moved, caught
-up after missed steps, resumed, new) and get their prefix hashes in one
-O(length) pass: a row takes its own former path, else the longest free
-candidate, whose hash equals the row's prefix hash at that path's length.
-An exact row is also checked by full hash when some free candidate's last
-four tokens sit in the row at that candidate's length, as they would if
-the candidate had moved there. A free path no row takes is parked under
-(length, hash); a row that matches nothing resumes a parked path that its
-first tokens hash to (up to ``_MAX_MISSED`` tokens back), else starts a new
-path whose prompt is every token before its first sampled one. Paths with
-identical tokens are interchangeable, so confusing them costs nothing.
-
-Holes left: a request from outside the batch (new or resumed) that lands
-in a row whose last-seen path has left it (finished, preempted, or moved
-during missed steps), with that path's exact length and last four tokens,
-is taken to continue that path unless a free path's tail in the row gives
-it away; catching every such case would mean hashing every row every step.
-And hash collisions, about 2**-64 per comparison (the mixing step is not a
-plain polynomial, so no known token pattern forces one).
-
-Inputs are checked before any token is read (numba does no bounds checks):
-shapes that don't fit raise ``ValueError``; a row whose sampled entry is
-not a list, whose token count or end doesn't fit the buffer, or whose
-tokens the drafter would read include an id outside ``[0, token_limit)``
-sits the step out alone and its path is freed, to be resumed once the row
-makes sense again (``rows_rejected`` counts these). Other rows, its
-siblings included, go on as if it were not there.
-One compiled call per step matches every row; only parking, resuming and
-new paths run in Python.
+A free path no row takes is parked under (length, hash); a row that
+matches nothing resumes a parked path that its first tokens hash to (up to
+``_MAX_MISSED`` tokens back), else starts a new path whose prompt is every
+token before its first sampled one. Paths with identical tokens are
+interchangeable, so confusing them costs nothing.
 
 What it holds, and the bound on each (so an engine that serves the same
 request forever holds the same memory after warm-up):
@@ -80,189 +47,10 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from ..jit import Kernels
+from . import row_kernels as K
+from .row_kernels import _MAX_MISSED, _TAIL  # constants: compile() swaps only the kernels
 
-_TAIL = 4          # last tokens compared for an exact continuation
-_MAX_MISSED = 64   # tokens a parked path may have advanced during missed steps
 _MAX_PER_KEY = 16  # parked paths kept with one (length, hash): see the module docstring
-_IDLE, _EXACT, _OTHER = 0, 1, 2  # row states from _match
-_MUL = np.uint64(0x9E3779B97F4A7C15)  # odd: each hash step is a bijection
-_SHIFT = np.uint64(32)
-_ZERO = np.uint64(0)  # hash of no tokens
-
-kernel = Kernels(globals())
-
-
-@kernel
-def _mix(h, token):
-    """Hash of a sequence with hash ``h`` followed by ``token``."""
-    h = (h + np.uint64(token + 1)) * _MUL
-    return h ^ (h >> _SHIFT)  # fold high bits down: no polynomial structure to collide on
-
-
-@kernel
-def _extend(h, token_ids, i, begin, end):
-    for t in range(begin, end):
-        h = _mix(h, token_ids[i, t])
-    return h
-
-
-@kernel
-def _prefixes(token_ids, i, end, out):
-    """out[n] = hash of row i's first n tokens, for n <= end."""
-    h = out[0] = _ZERO
-    for t in range(end):
-        h = out[t + 1] = _mix(h, token_ids[i, t])
-
-
-@kernel
-def _continues(token_ids, i, length, tail):
-    """Row i's tokens before ``length`` are ``tail`` (index-clipped at 0)."""
-    for t in range(_TAIL):
-        if token_ids[i, max(length - _TAIL + t, 0)] != tail[t]:
-            return False
-    return True
-
-
-@kernel
-def _shadowed(token_ids, i, free, lens, tail, hashes, lagged):
-    """Row i, which seems to continue its own path, might instead hold a free
-    path (rows ``free``) that moved there: one of row i's length and tail but
-    other tokens, or after missed steps (``lagged``), a shorter one whose
-    tail is in place in row i at its length."""
-    for r in free:
-        n = lens[r]
-        if (n == lens[i] and hashes[r] != hashes[i] or lagged and 0 < n < lens[i]) \
-                and _continues(token_ids, i, n, tail[r]):
-            return True
-    return False
-
-
-@kernel
-def _in_range(token_ids, i, begin, end, limit):
-    """Row i's tokens in [begin, end) are ids in [0, limit)."""
-    for t in range(begin, end):
-        if token_ids[i, t] < 0 or token_ids[i, t] >= limit:
-            return False
-    return True
-
-
-@kernel
-def _match(counts, ends, token_ids, lens, tail, hashes, path, state, window, token_limit):
-    """Find each row's path; rows with new tokens come back as (row, path,
-    begin, end, contiguous), path -1 where no row's former path fits (then
-    ``window[row, d]`` is the hash of the row's first ``begin - d`` tokens),
-    and the former paths no row continues as (path, length, hash)."""
-    num_rows, width = counts.shape[0], token_ids.shape[1]
-    old_path, old_lens, old_tail, old_hash = path.copy(), lens.copy(), tail.copy(), hashes.copy()
-    free = np.zeros(path.shape[0], np.bool_)  # former path not continued in its own row
-    live = rejected = 0
-    lagged = False  # steps were missed
-    for i in range(path.shape[0]):
-        if i >= num_rows:
-            free[i] = old_path[i] >= 0
-            path[i], lens[i] = -1, -1
-        elif counts[i] == 0:
-            state[i] = _IDLE
-        elif counts[i] < 0 or ends[i] > width or ends[i] < counts[i] or not _in_range(
-                token_ids, i, ends[i] - counts[i], ends[i], token_limit):
-            # garbage: this row alone sits the step out and starts clean
-            state[i], counts[i] = _IDLE, 0
-            free[i] = old_path[i] >= 0
-            path[i], lens[i] = -1, -1
-            rejected += 1
-        else:
-            base = ends[i] - counts[i]
-            if base == old_lens[i] and _continues(token_ids, i, base, old_tail[i]):
-                state[i] = _EXACT
-            elif not _in_range(token_ids, i, 0, base, token_limit):  # all of it is read
-                state[i], counts[i] = _IDLE, 0
-                free[i] = old_path[i] >= 0
-                path[i], lens[i] = -1, -1
-                rejected += 1
-                continue
-            else:
-                state[i] = _OTHER
-                free[i] = old_path[i] >= 0
-                if 0 < old_lens[i] < base and _continues(token_ids, i, old_lens[i], old_tail[i]):
-                    lagged = True  # this row caught up, so moved paths may have advanced too
-            live += 1
-    candidates = pending = np.flatnonzero(free)
-    while pending.shape[0]:  # exact rows a free path may have moved into; O(length) each
-        demoted = np.zeros(path.shape[0], np.bool_)
-        for i in range(num_rows):
-            if state[i] == _EXACT \
-                    and _shadowed(token_ids, i, pending, old_lens, old_tail, old_hash, lagged) \
-                    and _extend(_ZERO, token_ids, i, 0, old_lens[i]) != old_hash[i]:
-                state[i] = _OTHER
-                free[i] = demoted[i] = old_path[i] >= 0
-        pending = np.flatnonzero(demoted)  # its path is free now: check the others against it
-        candidates = np.flatnonzero(free)
-    scratch = np.empty(0, np.uint64)  # prefix hashes of one non-exact row
-    rows = np.empty(live, np.int64)
-    paths = np.empty(live, np.int64)
-    begins = np.empty(live, np.int64)
-    out_ends = np.empty(live, np.int64)
-    contiguous = np.empty(live, np.bool_)
-    m = moved = missed = 0
-    for i in range(num_rows):
-        if state[i] == _IDLE:
-            continue
-        end = ends[i]
-        base = end - counts[i]
-        begin, who = base, -1
-        if state[i] == _EXACT:
-            who = i
-            hashes[i] = _extend(old_hash[i], token_ids, i, base, end)
-        else:  # caught up in its own row after missed steps, else moved here
-            if scratch.shape[0] == 0:
-                scratch = np.empty(width + 1, np.uint64)
-            _prefixes(token_ids, i, end, scratch)
-            hashes[i] = scratch[end]
-            n = old_lens[i]
-            if free[i] and 0 < n <= base and scratch[n] == old_hash[i]:
-                who = i
-            else:
-                for r in candidates:
-                    n = old_lens[r]
-                    if free[r] and 0 < n <= base and (who < 0 or n > old_lens[who]) \
-                            and scratch[n] == old_hash[r]:
-                        who = r
-            if who >= 0:
-                free[who] = False
-                begin = old_lens[who]
-                moved += who != i
-                missed += base - begin
-            else:  # for resuming a parked path
-                for d in range(min(_MAX_MISSED, base) + 1):
-                    window[i, d] = scratch[base - d]
-        path[i] = old_path[who] if who >= 0 else -1
-        lens[i] = end
-        for t in range(_TAIL):
-            tail[i, t] = token_ids[i, max(end - _TAIL + t, 0)]
-        rows[m], paths[m], begins[m], out_ends[m] = i, path[i], begin, end
-        contiguous[m] = state[i] == _EXACT
-        m += 1
-    gone = candidates[free[candidates]]
-    unresolved = 0
-    for j in range(live):
-        unresolved += paths[j] < 0
-    return (rows, paths, begins, out_ends, contiguous, old_path[gone], old_lens[gone],
-            old_hash[gone], moved, missed, unresolved, rejected)
-
-
-@kernel
-def _accepted(rows, paths, sent, path, state, counts):
-    """Tokens the verifier kept of each draft sent last step; 0 (and nothing
-    sent) where the row no longer holds that path contiguously."""
-    accepted = np.zeros(rows.shape[0], np.int64)
-    for j in range(rows.shape[0]):
-        i = rows[j]
-        if sent[j] > 0 and i < counts.shape[0] and state[i] == _EXACT and path[i] == paths[j]:
-            accepted[j] = min(counts[i] - 1, sent[j])
-        else:
-            sent[j] = 0
-    return accepted
 
 
 def _length(sampled) -> int:
@@ -301,15 +89,15 @@ class RowTracker:
         if max_parked < 0 or max_per_key < 1 or token_limit < 1:
             raise ValueError("need max_parked >= 0, max_per_key >= 1 and token_limit >= 1")
         self._token_limit = token_limit  # ids at or above it (or < 0) make a row garbage
-        kernel.compile()
+        K.kernel.compile()
         self._start_path = start_path      # prompt tokens -> new path id
         self._release_path = release_path  # path id -> None, once it is forgotten
         self._path = np.full(0, -1, np.int64)   # row -> path (-1: none)
         self._lens = np.full(0, -1, np.int64)   # row -> path length (-1: none)
         self._tail = np.zeros((0, _TAIL), np.int64)  # row -> path's last tokens
         self._hash = np.zeros(0, np.uint64)     # row -> hash of the path's whole sequence
-        self._window = np.zeros((0, _MAX_MISSED + 1), np.uint64)  # see _match
-        self._state = np.zeros(0, np.int64)  # row -> _IDLE, _EXACT or _OTHER this step
+        self._window = np.zeros((0, _MAX_MISSED + 1), np.uint64)  # see K._match
+        self._state = np.zeros(0, np.int64)  # row -> K._IDLE, K._EXACT or K._OTHER this step
         self._counts = np.zeros(0, np.int64)  # row -> tokens sampled this step
         # (length, hash) -> paths, oldest first; keys least recently parked first
         self._parked: OrderedDict[tuple, list] = OrderedDict()
@@ -364,7 +152,7 @@ class RowTracker:
             ends = ends.astype(np.int64)
         self._grow(num_rows)
         self._counts = counts
-        *step, gone, gone_lens, gone_hashes, moved, missed, unresolved, rejected = _match(
+        *step, gone, gone_lens, gone_hashes, moved, missed, unresolved, rejected = K._match(
             counts, ends, token_ids, self._lens, self._tail, self._hash, self._path,
             self._state, self._window, self._token_limit)
         step = RowUpdate(*step)
@@ -389,7 +177,7 @@ class RowTracker:
         row ``rows[j]``), how many the verifier kept, judged from this step's
         update. Rows that no longer hold their path contiguously count
         nothing and get ``sent[j] = 0`` (in place)."""
-        return _accepted(rows, paths, sent, self._path, self._state, self._counts)
+        return K._accepted(rows, paths, sent, self._path, self._state, self._counts)
 
     def _settle(self, step: RowUpdate, token_ids) -> None:
         """Rows no former path fits: a parked path resumes, or a new one starts."""

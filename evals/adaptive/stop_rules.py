@@ -29,6 +29,7 @@ default, tables, plot) on them.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -37,6 +38,7 @@ import time
 
 from consensus_spec.sampling.stopping import StopRule, should_stop_ids
 
+from ..options import add_trace_args, write_json
 from ..traces import load_tokenizer, shared_path
 from .stop_rules_cv import GUARANTEED, choose_default, loso, markdown, meets, pct, plot, summary
 from .vote_traces import VoteTrace, load_vote_traces
@@ -71,6 +73,11 @@ def checkpoints(n: int, waves: list[int | None] | None) -> list[int]:
         out.append(done)
         i += 1
     return out[:-1]
+
+
+def wave_ends(sizes: list[int], n: int) -> list[int]:
+    """Paths done after each wave of ``sizes`` but the last: where the vote is taken."""
+    return [end for end in itertools.accumulate(sizes) if end < n]
 
 
 def prefix_tallies(ids: list[int | None]) -> list[list[tuple[int, int]]]:
@@ -174,14 +181,12 @@ def grid() -> list[StopRule]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m evals stop-rules", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--traces", nargs="+", help="trace files (default: the shared traces)")
-    ap.add_argument("--limit", type=int, help="first N problems of each set")
+    add_trace_args(ap)
     ap.add_argument("--perms", type=int, default=20, help="random sample orders per problem")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--waves", nargs="+", metavar="SIZE", default=["2"],
                     help="check only after waves of these sizes, e.g. 1 2 4 rest (default: 2, as the "
                          "default Schedule; 1: after every sample)")
-    ap.add_argument("--tokenizer", help="tokenizer.json (default: shared GPT-2)")
     ap.add_argument("--out", default="results/stopping.json", help="JSON path (markdown next to it)")
     ap.add_argument("--plot", help="PNG path for tokens against agreement per set and rule")
     ap.add_argument("--per-problem", action="store_true",
@@ -268,13 +273,10 @@ def select(args, sets: dict, skipped: dict, hard_share: float, looks: str, start
     if args.plot and plot(sets, chosen, args.plot, looks):
         print(f"wrote {args.plot}")
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items()}, "hard_share": hard_share,
-                       "skipped": skipped, "sets": sets, "selection": table, "loso": folds,
-                       "loso_any_rule": folds_any, "default": chosen,
-                       "meets": {name: {r: meets(v) for r, v in s["rules"].items()} for name, s in sets.items()}},
-                      f, indent=1)
+        meets_by_set = {name: {r: meets(v) for r, v in s["rules"].items()} for name, s in sets.items()}
+        write_json(args.out, {"args": vars(args), "hard_share": hard_share, "skipped": skipped,
+                              "sets": sets, "selection": table, "loso": folds,
+                              "loso_any_rule": folds_any, "default": chosen, "meets": meets_by_set})
         with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
             f.write(text + "\n")
         print(f"wrote {args.out}")

@@ -20,7 +20,6 @@ their picks (smallest error).
 
 from __future__ import annotations
 
-import sys
 
 TARGET_AGREE, TARGET_WORST, TARGET_GOLD_GAP = 0.995, 0.99, 0.005
 GUARANTEED = ("decided", "sequential")  # kinds whose error holds over all looks
@@ -160,12 +159,10 @@ def markdown(sets: dict[str, dict], default: str, folds: list[dict], folds_any: 
 
 def plot(sets: dict[str, dict], default: str, path: str, looks: str = "waves of 2") -> bool:
     """Token share against agreement, per set and rule family; the default starred."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
+    from ..plots import load_pyplot, save_figure
+
+    _, plt = load_pyplot()
+    if plt is None:
         return False
     markers = {"sequential": "o", "predictive": "s", "beta": "^", "window": "v", "margin": "D",
                "decided": "X"}
@@ -194,7 +191,4 @@ def plot(sets: dict[str, dict], default: str, path: str, looks: str = "waves of 
     ax.set_ylim(98.5, 100.05)  # the targets' range; looser heuristics fall off the chart
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return save_figure(plt, fig, path)

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from fractions import Fraction
 
+from consensus_spec.sampling.stopping import should_stop_ids, tally
 from consensus_spec.voting.answers import answers_equal, extract_answer
 from consensus_spec.voting.vote import cluster_answers
 
@@ -92,6 +93,23 @@ def _fold(node, env: dict[str, Fraction], depth: int) -> Fraction | None:
         return None
     ok = value is not None and max(abs(value.numerator), value.denominator) <= MAX_MAGNITUDE
     return value if ok else None
+
+
+def winner(ids) -> int | None:
+    """The class the vote of ``ids`` picks (ties: the lowest path); None without answers."""
+    ranked = tally(ids)
+    return ranked[0][0] if ranked else None
+
+
+def path_planner(problems: int, n: int, schedule, rule):
+    """The engine's :class:`PathPlanner` over ``problems`` of ``n`` paths,
+    voting with ``rule`` after each wave (None: no early stop)."""
+    from consensus_spec.sampling.waves import PathPlanner
+
+    def check(p, answers, remaining):
+        return should_stop_ids(answers, remaining, rule)
+
+    return PathPlanner(problems, n, schedule, check if rule is not None else None)
 
 
 def gold_classes(answers: list, gold) -> tuple[list[int | None], list[bool] | None]:

@@ -37,13 +37,13 @@ import time
 from collections import deque
 from dataclasses import replace
 
-from ..options import parse_options, write_results
+from ..options import add_trace_args, parse_options, write_results
 from ..replay.drafters import make_drafter
 from ..replay.projection import run_ms
 from ..replay.engine import replay
 from ..replay.bench import CpuTimed, DEFAULT_HOST_TIME, load_tables
 from ..replay.projection import DEFAULT_COSTS
-from .vote_traces import SKIP, load_vote_traces
+from .vote_traces import SKIP, load_vote_traces, path_planner, winner
 from ..traces import Problem, TraceError, load_problems, load_tokenizer, shared_path
 
 DEFAULT_TRACES = ("gsm8k_qwen3_4b_n8.jsonl", "addsub_codex002_n40.jsonl")
@@ -103,21 +103,9 @@ def shuffled(problems: list[Problem], ids, order: int):
     return out_p, out_i
 
 
-def winner(ids) -> int | None:
-    from consensus_spec.sampling.stopping import tally
-    ranked = tally(ids)
-    return ranked[0][0] if ranked else None
-
-
 def run_one(problems, ids, correct, n, method, schedule, rule, args, options):
     """One replay; returns a result row (projection added by the caller)."""
-    from consensus_spec.sampling.stopping import should_stop_ids
-    from consensus_spec.sampling.waves import PathPlanner
-
-    def check(p, answers, remaining):
-        return should_stop_ids(answers, remaining, rule)
-
-    planner = PathPlanner(len(problems), n, schedule, check if rule is not None else None)
+    planner = path_planner(len(problems), n, schedule, rule)
     max_len = max(len(p.prompt) + max(map(len, p.completions)) for p in problems) + args.k + 2
     drafter = CpuTimed(make_drafter(method, args.k, max_len, args.rows, options))
     t0 = time.perf_counter()
@@ -161,7 +149,7 @@ def parse_args(argv=None):
     from ..math.configs import UsageError, parse_early_stop
 
     ap = argparse.ArgumentParser(prog="python -m evals waves", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--traces", nargs="+", help="trace files (default: gsm8k and addsub)")
+    add_trace_args(ap, "gsm8k and addsub")
     ap.add_argument("--rows", type=int, default=64, help="paths in flight at most (max_num_seqs)")
     ap.add_argument("--waves", help="wave sizes, e.g. 4 or 1,2,4,rest (default: Schedule's default)")
     ap.add_argument("--early-stop", nargs="+", default=["on"],
@@ -171,8 +159,6 @@ def parse_args(argv=None):
                     help="Schedule.fill_idle: idle rows start later waves early at the tail")
     ap.add_argument("--orders", type=int, default=3, help="path orders: recorded + seeded shuffles")
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
-    ap.add_argument("--limit", type=int, help="first N problems of each set")
-    ap.add_argument("--tokenizer", help="tokenizer.json (default: shared GPT-2)")
     ap.add_argument("--costs", default=DEFAULT_COSTS)
     ap.add_argument("--host-time", default=DEFAULT_HOST_TIME,
                     help="host ms per step (python -m evals host-time); 'none' to leave it out")
@@ -280,9 +266,9 @@ def plot(rows: list[dict], path: str) -> bool:
     vote, one colour per schedule x rule, circles without drafting and
     squares with consensus drafting (mean over path orders, bars down to the
     worst order)."""
-    from ..math.report import _pyplot, save_figure
+    from ..plots import load_pyplot, save_figure
 
-    _, plt = _pyplot()
+    _, plt = load_pyplot()
     if plt is None:
         return False
     names = list(dict.fromkeys(r["traces"] for r in rows))

@@ -22,17 +22,12 @@ import json
 import random
 import sys
 
+from .vote_traces import path_planner, winner
+
 
 def simulate(problems, schedule, rule, cost) -> dict:
     """problems: list of (class ids, tokens, correct-per-class, full winner)."""
-    from consensus_spec.sampling.stopping import should_stop_ids, tally
-    from consensus_spec.sampling.waves import PathPlanner
-
-    def check(p, answers, remaining):
-        return should_stop_ids(answers, remaining, rule)
-
-    plan = PathPlanner(len(problems), len(problems[0][0]), schedule,
-                       check if rule is not None else None)
+    plan = path_planner(len(problems), len(problems[0][0]), schedule, rule)
     running: dict[tuple[int, int], int] = {}
     finished: dict[int, list] = {p: [] for p in range(len(problems))}
     ms = steps = fill = tokens = 0.0
@@ -62,18 +57,15 @@ def simulate(problems, schedule, rule, cost) -> dict:
             submit(to_submit)
     agree = correct = 0
     for p, (ids, _, right, full) in enumerate(problems):
-        ranked = tally([i for _, i in sorted(finished[p])])  # ties: lowest path, as voted
-        winner = ranked[0][0] if ranked else None
-        agree += winner == full
-        correct += winner is not None and right[winner]
+        voted = winner([i for _, i in sorted(finished[p])])  # ties: lowest path, as voted
+        agree += voted == full
+        correct += voted is not None and right[voted]
     cap = schedule.capacity
     return dict(tokens=tokens, ms=ms, steps=steps, fill=fill / steps / cap if cap else None,
                 agreement=agree / len(problems), maj=correct / len(problems))
 
 
 def load(path: str):
-    from consensus_spec.sampling.stopping import tally
-
     from ..math.report import answer_classes
 
     with open(path) as f:
@@ -84,15 +76,13 @@ def load(path: str):
             continue
         problems = []
         for ids, tokens, right in answer_classes(row):
-            ranked = tally(ids)
-            problems.append((ids, tokens, right, ranked[0][0] if ranked else None))
+            problems.append((ids, tokens, right, winner(ids)))
         out[f"{row['method']} n={row['n']}"] = problems
     return out
 
 
 def main(argv=None) -> int:
     from consensus_spec.budget import COST_MODELS
-    from consensus_spec.sampling.stopping import tally
     from consensus_spec.sampling.waves import Schedule
 
     from ..math.configs import parse_early_stop
@@ -119,9 +109,8 @@ def main(argv=None) -> int:
                 idx = list(range(len(ids)))
                 if r:
                     rng.shuffle(idx)
-                ids_here = [ids[i] for i in idx]
-                ranked = tally(ids_here)  # full-n winner in this path order (ties: lowest path)
-                perm.append((ids_here, [toks[i] for i in idx], right, ranked[0][0] if ranked else None))
+                ids_here = [ids[i] for i in idx]  # full-n winner in this path order (ties: lowest path)
+                perm.append((ids_here, [toks[i] for i in idx], right, winner(ids_here)))
             orders.append(perm)
         base = [simulate(o, Schedule(waves=("rest",), capacity=args.capacity), None, cost)
                 for o in orders]

@@ -8,7 +8,16 @@ import argparse
 import os
 import re
 
+from ..options import parse_options
 from .configs import UsageError
+
+
+def add_sampling_args(ap: argparse.ArgumentParser) -> None:
+    """How each path is sampled (``math`` and ``record`` alike)."""
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--max-tokens", type=int,
+                    help="tokens per sample (default 256 for synthetic, else 1024)")
 
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
@@ -21,6 +30,30 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                     help="eager mode (default: on CPU only; on GPU keep CUDA graphs, which the "
                          "budget's H200 cost model was fitted to)")
+
+
+def check_engine_args(args) -> None:
+    """The checks of :func:`add_engine_args`' settings that need no engine."""
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise UsageError("--gpu-memory-utilization must be in (0, 1]")
+    if args.max_model_len is not None and args.max_model_len < 16:
+        raise UsageError("--max-model-len must be >= 16")
+
+
+def drafter_options(args, check: bool) -> dict:
+    """``--option`` pairs as consensus drafter options; with ``check``, tried
+    on :func:`consensus_spec.engine_args` so a bad one fails before an engine."""
+    try:
+        options = parse_options(args.option)
+    except ValueError as e:
+        raise UsageError(str(e))
+    if check:
+        from consensus_spec import engine_args
+        try:
+            engine_args(args.k, **options)
+        except (TypeError, ValueError) as e:
+            raise UsageError(f"bad --option: {e}")
+    return options
 
 
 def resolve_model(model: str | None) -> str:

@@ -32,7 +32,7 @@ import json
 import os
 import sys
 
-from ..options import parse_options
+from ..options import write_json
 from . import report
 from .configs import (
     DEFAULT_MAX_TOKENS,
@@ -43,7 +43,8 @@ from .configs import (
     parse_early_stop,
     parse_waves,
 )
-from .llm import add_engine_args, check_dependencies, on_cpu, resolve_model
+from .llm import (add_engine_args, add_sampling_args, check_dependencies, check_engine_args,
+                  drafter_options, on_cpu, resolve_model)
 from .runs import run_all
 
 METHODS = ("none", "ngram", "suffix", "consensus")
@@ -59,10 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--methods", nargs="+", default=list(METHODS), metavar="METHOD",
                     help="drafting methods, in run order: " + " ".join(METHODS))
     ap.add_argument("--n", type=int, nargs="+", default=[16], help="samples per problem (list ok)")
-    ap.add_argument("--temperature", type=float, default=0.8)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--max-tokens", type=int,
-                    help="tokens per sample (default 256 for synthetic, else 1024)")
+    add_sampling_args(ap)
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     ap.add_argument("--early-stop", nargs="*", metavar="RULE",
                     help="adaptive stopping, list ok: off, on (default rule: sequential, error "
@@ -133,10 +131,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise UsageError("--top-p must be in (0, 1]")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise UsageError("--max-tokens must be >= 1")
-    if not 0 < args.gpu_memory_utilization <= 1:
-        raise UsageError("--gpu-memory-utilization must be in (0, 1]")
-    if args.max_model_len is not None and args.max_model_len < 16:
-        raise UsageError("--max-model-len must be >= 16")
+    check_engine_args(args)
     if args.max_num_seqs is not None and args.max_num_seqs < 1:
         raise UsageError("--max-num-seqs must be >= 1")
     if args.ngram_lookup and not 1 <= args.ngram_lookup[0] <= args.ngram_lookup[1]:
@@ -146,16 +141,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.early_stop = parse_early_stop(args.early_stop)
     args.waves = parse_waves(args.waves)
     args.configs = build_configs(args)
-    try:
-        args.drafter_options = parse_options(args.option)
-    except ValueError as e:
-        raise UsageError(str(e))
-    if "consensus" in args.methods:
-        from consensus_spec import engine_args
-        try:
-            engine_args(args.k, **args.drafter_options)
-        except (TypeError, ValueError) as e:
-            raise UsageError(f"bad --option: {e}")
+    args.drafter_options = drafter_options(args, check="consensus" in args.methods)
     return args
 
 
@@ -213,13 +199,11 @@ def dry_run(args, problems) -> dict:
 def write_outputs(args, rows, problems, dataset_name: str, table: str,
                   points: list[dict] | None = None) -> list[str]:
     out = args.out
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     meta = {k: v for k, v in vars(args).items() if k not in ("option", "configs")}
     meta["configs"] = [(n, s.describe(), early_stop_label(r)) for n, s, r in getattr(args, "configs", [])]
     public = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
-    with open(out + ".json", "w") as f:
-        json.dump({"dataset": dataset_name, "num_problems": len(problems), "args": meta,
-                   "results": public, "tradeoff_replay": points or []}, f, indent=1, default=str)
+    write_json(out + ".json", {"dataset": dataset_name, "num_problems": len(problems), "args": meta,
+                               "results": public, "tradeoff_replay": points or []}, default=str)
     with open(out + ".md", "w") as f:
         f.write(f"dataset {dataset_name}, {len(problems)} problems, model {args.model}, "
                 f"temperature {args.temperature}, k={args.k}\n\n{table}\n")

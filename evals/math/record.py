@@ -31,8 +31,8 @@ import sys
 import time
 
 from .configs import DEFAULT_MAX_TOKENS, Parser, UsageError
-from ..options import parse_options
-from .llm import add_engine_args, build_llm, on_cpu, resolve_model, shutdown
+from .llm import (add_engine_args, add_sampling_args, build_llm, check_engine_args, drafter_options,
+                  on_cpu, resolve_model, shutdown)
 
 # meta fields that must match to append to an existing file
 SAME_ON_RESUME = ("model", "dataset", "n", "temperature", "top_p", "max_tokens", "seed", "logprobs")
@@ -47,10 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--limit", type=int, help="first N problems")
     ap.add_argument("--model", help="model directory or hub id (default: the embedded model)")
     ap.add_argument("--n", type=int, default=8, help="samples per problem")
-    ap.add_argument("--temperature", type=float, default=0.8)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--max-tokens", type=int,
-                    help="tokens per sample (default 256 for synthetic, else 1024)")
+    add_sampling_args(ap)
     ap.add_argument("--logprobs", action="store_true", help="store each sampled token's logprob")
     ap.add_argument("--speculative", choices=("none", "consensus"), default="none",
                     help="consensus drafting while recording (lossless: same distribution)")
@@ -73,22 +70,11 @@ def parse_args(argv=None) -> argparse.Namespace:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise UsageError("--temperature must be >= 0 and --top-p in (0, 1]")
-    if not 0 < args.gpu_memory_utilization <= 1:
-        raise UsageError("--gpu-memory-utilization must be in (0, 1]")
-    if args.max_model_len is not None and args.max_model_len < 16:
-        raise UsageError("--max-model-len must be >= 16")
-    try:
-        args.drafter_options = parse_options(args.option)  # llm.build_llm reads these
-    except ValueError as e:
-        raise UsageError(str(e))
-    if args.drafter_options:
-        if args.speculative != "consensus":
-            raise UsageError("--option applies to --speculative consensus only")
-        from consensus_spec import engine_args
-        try:
-            engine_args(args.k, **args.drafter_options)
-        except (TypeError, ValueError) as e:
-            raise UsageError(f"bad --option: {e}")
+    check_engine_args(args)
+    # llm.build_llm reads these
+    args.drafter_options = drafter_options(args, check=args.speculative == "consensus")
+    if args.drafter_options and args.speculative != "consensus":
+        raise UsageError("--option applies to --speculative consensus only")
     args.ngram_lookup = None
     return args
 

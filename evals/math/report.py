@@ -10,8 +10,9 @@ independent runs add).
 
 from __future__ import annotations
 
-import sys
 from typing import Iterable
+
+from ..plots import load_pyplot, save_figure
 
 PLAIN = ("all", "off")
 # Rules replayed for the trade-off curve (waves: the run's, or the default).
@@ -149,20 +150,13 @@ def replay(plain: dict, wave_sizes: list[int], rule, check: str = "wave") -> dic
     order: all paths ran at once), checked after the waves ``wave_sizes`` (or
     every path with ``check="path"``).  Returns the share of tokens used,
     agreement with the plain run's own full-n vote, and maj accuracy."""
-    from ..adaptive.stop_rules import prefix_tallies, replay_order
+    from ..adaptive.stop_rules import prefix_tallies, replay_order, wave_ends
 
     used_tok = full_tok = agree = correct = 0
     problems = answer_classes(plain)
     for ids, tokens, right in problems:
         n = len(ids)
-        if check == "path":
-            checks = list(range(1, n))
-        else:
-            checks, done = [], 0
-            for size in wave_sizes:
-                done += size
-                if done < n:
-                    checks.append(done)
+        checks = list(range(1, n)) if check == "path" else wave_ends(wave_sizes, n)
         _, tok, stopped, full = replay_order(ids, tokens, rule, checks, prefix_tallies(ids))
         used_tok += tok
         full_tok += sum(tokens)
@@ -238,28 +232,9 @@ def tradeoff_markdown(points: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _pyplot():
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
-        return None, None
-    return matplotlib, plt
-
-
-def save_figure(plt, fig, path: str) -> bool:
-    """Lay out, write and close ``fig``; True (for the callers' return)."""
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
 def plot(rows: list[dict], path: str) -> bool:
     """Speedup and accuracy against n, one line per method/waves/early stop."""
-    matplotlib, plt = _pyplot()
+    matplotlib, plt = load_pyplot()
     if plt is None:
         return False
     series: dict[str, list[dict]] = {}
@@ -297,7 +272,7 @@ def plot(rows: list[dict], path: str) -> bool:
 def plot_tradeoff(rows: list[dict], points: list[dict], path: str) -> bool:
     """Tokens (share of the plain run) against agreement with its full-n answer:
     replayed rules as curves, measured runs as large markers."""
-    _, plt = _pyplot()
+    _, plt = load_pyplot()
     if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.6))

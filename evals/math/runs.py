@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
-import os
 import sys
 import time
 
+from ..options import write_json
 from . import report
 from .configs import early_stop_label
 from .llm import build_llm, in_process_engine, proposer_counters, shutdown, spec_config
@@ -97,10 +96,9 @@ def run_all(args, problems, max_tokens: int) -> list[dict]:
 
 def checkpoint(args, rows: list[dict]) -> None:
     """Rows so far to PREFIX.partial.json (long runs; removed once all is written)."""
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".partial.json", "w") as f:
-        json.dump({"results": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]},
-                  f, default=str)
+    write_json(args.out + ".partial.json",
+               {"results": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]},
+               indent=None, default=str)
 
 
 def make_row(method, n, schedule, rule, run, problems, startup, spec, style) -> dict:

@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import itertools
-import json
 import math
 import os
 import statistics
@@ -42,24 +40,10 @@ import sys
 import time
 from pathlib import Path
 
+from ..options import write_json
+from .servers import PLUGINS, SERVED, VllmServer, server_args
+
 CONFIGS = ("endpoint", "endpoint-openai", "endpoint-full", "client", "client-nospec")
-PLUGINS = "consensus_spec_vllm_cpu_fixes,consensus_spec_self_consistency"
-SERVED = "consensus-tiny"
-
-
-def server_args(model: str, spec: bool, max_num_seqs: int | None, max_model_len: int,
-                dtype: str = "float32", memory: float = 0.1) -> list[str]:
-    """A server's flags; ``max_num_seqs`` None leaves vLLM's default; ``memory``
-    is ``--gpu-memory-utilization`` (on CPU, a share of RAM)."""
-    args = ["--model", model, "--served-model-name", SERVED, "--max-model-len", str(max_model_len),
-            "--gpu-memory-utilization", str(memory), "--dtype", dtype, "--enforce-eager", "--seed", "0"]
-    if max_num_seqs is not None:
-        args += ["--max-num-seqs", str(max_num_seqs)]
-    if spec:
-        args += ["--speculative-config", json.dumps({
-            "method": "custom_class", "model": "consensus_spec.ConsensusProposer",
-            "num_speculative_tokens": 8})]
-    return args
 
 
 def ask(base_url: str, config: str, prob: dict, args) -> dict:
@@ -118,8 +102,6 @@ def run_config(config: str, args, probs: list[dict], log_dir: Path, run: int,
     """One server for ``config``: a warm-up request, then every concurrency."""
     from consensus_spec.model import model_path
 
-    from .servers import VllmServer
-
     spec = config != "client-nospec"
     env = {"VLLM_PLUGINS": PLUGINS, "CONSENSUS_SPEC_SC_RUN_AHEAD": args.run_ahead} \
         if config.startswith("endpoint") else {}
@@ -168,11 +150,11 @@ def replayed_stop(record: dict, n: int, schedule: str | None = None) -> dict:
     from consensus_spec.sampling.waves import Schedule
     from consensus_spec.voting.vote import cluster_answers
 
-    from ..adaptive.stop_rules import replay_order
+    from ..adaptive.stop_rules import replay_order, wave_ends
 
     ids = cluster_answers(record["path_answers"])
     waves = Schedule.parse(schedule) if schedule else Schedule()
-    checks = [end for end in itertools.accumulate(waves.sizes(n)) if end < n]
+    checks = wave_ends(waves.sizes(n), n)
     used, tokens, stopped, full = replay_order(ids, record["path_tokens"], StopRule(), checks)
     return {"agree": stopped == full, "paths": used, "tokens": tokens}
 
@@ -302,10 +284,9 @@ def main(argv=None) -> int:
     for rows, table in tables.items():
         print(markdown(table, args, rows))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({
+        write_json(args.out, {
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "tables": {str(rows): list(t.values()) for rows, t in tables.items()},
             "runs": {str(rows): [{c: {str(k): v for k, v in r[c].items()} for c in r} for r in rr]
-                     for rows, rr in runs.items()}}, indent=1))
+                     for rows, rr in runs.items()}})
     return 0 if all(r["failed"] == 0 for t in tables.values() for r in t.values()) else 1

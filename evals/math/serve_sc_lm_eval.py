@@ -23,14 +23,14 @@ process's CPU (lm-eval runs in it), accuracy, distinct completions.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from .serve_sc import PLUGINS, SERVED, server_args
+from ..options import write_json
+from .servers import PLUGINS, SERVED, VllmServer, server_args
 
 SC_REGEX = r"The answer is (\-?[0-9\.\,]*[0-9]+)"  # gsm8k-cot-self-consistency.yaml's
 CONFIGS = ("repeats", "base-url")
@@ -135,8 +135,6 @@ def main(argv=None) -> int:
     rows = None if args.max_num_seqs == "default" else int(args.max_num_seqs)
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from .servers import VllmServer
-
     include = Path(tempfile.mkdtemp(prefix="sc_lm_eval_"))
     tasks = task_files(include, args.data.resolve(), args.n)
     records: dict[str, list] = {c: [] for c in configs}
@@ -158,9 +156,7 @@ def main(argv=None) -> int:
                   f"completions {statistics.fmean(rec['distinct']):.1f} of {args.n}", flush=True)
     print(markdown(records, args))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                        "records": records}, indent=1))
+        write_json(args.out, {"args": {k: str(v) for k, v in vars(args).items()}, "records": records})
     return 0
 
 

@@ -1,10 +1,11 @@
-"""A vLLM OpenAI API server as a child process, for benchmarks: its own
-process group (always stopped, SIGKILL after a grace period), a health wait,
-and the CPU time of its whole process tree (API server, engine core,
-workers) read from /proc."""
+"""A vLLM OpenAI API server as a child process, for benchmarks and the
+server tests: its flags, its own process group (always stopped, SIGKILL
+after a grace period), a health wait, its log, and the CPU time of its
+whole process tree (API server, engine core, workers) read from /proc."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -14,12 +15,29 @@ import time
 from pathlib import Path
 
 HOST = "127.0.0.1"
+PLUGINS = "consensus_spec_vllm_cpu_fixes,consensus_spec_self_consistency"  # VLLM_PLUGINS of the routes
+SERVED = "consensus-tiny"  # --served-model-name
 
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
+
+
+def server_args(model: str, spec: bool, max_num_seqs: int | None, max_model_len: int,
+                dtype: str = "float32", memory: float = 0.1, num_speculative_tokens: int = 8) -> list[str]:
+    """A server's flags; ``max_num_seqs`` None leaves vLLM's default; ``memory``
+    is ``--gpu-memory-utilization`` (on CPU, a share of RAM)."""
+    args = ["--model", model, "--served-model-name", SERVED, "--max-model-len", str(max_model_len),
+            "--gpu-memory-utilization", str(memory), "--dtype", dtype, "--enforce-eager", "--seed", "0"]
+    if max_num_seqs is not None:
+        args += ["--max-num-seqs", str(max_num_seqs)]
+    if spec:
+        args += ["--speculative-config", json.dumps({
+            "method": "custom_class", "model": "consensus_spec.ConsensusProposer",
+            "num_speculative_tokens": num_speculative_tokens})]
+    return args
 
 
 def process_tree(pid: int) -> list[int]:
@@ -54,58 +72,143 @@ def tree_cpu_s(pid: int) -> float:
     return total / tick
 
 
-class VllmServer:
-    """``python -m vllm.entrypoints.openai.api_server <args>`` on a free port."""
+def process_group(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is ``pgid``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(entry))
+    return out
 
-    def __init__(self, args: list[str], log_path: Path, env: dict | None = None):
-        self.port = free_port()
+
+class VllmServer:
+    """``python -m vllm.entrypoints.openai.api_server <args>`` on a free port,
+    logging to ``log_path``; ``env`` is added to this process's environment."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict | None = None,
+                 name: str = "vllm", cwd: Path | None = None):
+        self.name, self.port = name, free_port()
         self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                     "--host", HOST, "--port", str(self.port), *args]
-        self.log_path, self.env = Path(log_path), env or {}
+        self.log_path, self.env, self.cwd = Path(log_path), env or {}, cwd
         self.proc: subprocess.Popen | None = None
+        self.started_at = 0.0
+        self.ready_s: float | None = None
+        self.exit_code: int | None = None
+        self.stop_offset: int | None = None  # log size when stop() began
+        self.leftover: list[int] = []  # group members alive after the SIGTERM
+        self._stopped = False
 
     @property
     def base_url(self) -> str:
         return f"http://{HOST}:{self.port}"
 
-    def __enter__(self) -> "VllmServer":
+    def start(self) -> "VllmServer":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.cmd, env={**os.environ, **self.env}, stdout=self._log,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen(self.cmd, cwd=self.cwd, env={**os.environ, **self.env},
+                                     stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
         return self
 
-    def wait_ready(self, timeout: float = 600.0) -> float:
-        import requests
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}); log: {self.log_path}")
-            try:
-                if requests.get(self.base_url + "/health", timeout=2).status_code == 200:
-                    return time.monotonic() - t0
-            except requests.RequestException:
-                pass
+    def health(self, timeout: float = 5.0) -> int | None:
+        import requests
+        try:
+            return requests.get(self.base_url + "/health", timeout=timeout).status_code
+        except requests.RequestException:
+            return None
+
+    def wait_ready(self, timeout: float = 600.0) -> float:
+        """Poll ``/health`` until 200 (bounded); raises with the log tail if
+        the process dies or the deadline passes."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"{self.name} server exited with {self.proc.returncode} "
+                                   f"before becoming healthy ({self.log_path}):\n{self.log_tail()}")
+            if self.health(timeout=2.0) == 200:
+                self.ready_s = time.monotonic() - self.started_at
+                return self.ready_s
             time.sleep(1.0)
-        raise TimeoutError(f"server not healthy after {timeout:.0f} s; log: {self.log_path}")
+        raise TimeoutError(f"{self.name} server not healthy after {timeout:.0f} s "
+                           f"({self.log_path}):\n{self.log_tail()}")
 
     def cpu_s(self) -> float:
         return tree_cpu_s(self.proc.pid)
 
-    def __exit__(self, *exc) -> None:
-        if self.proc is None:
+    def stop(self, grace: float = 30.0) -> None:
+        """SIGTERM the API server (it shuts its engine down), SIGKILL the
+        whole process group if the server is not gone after ``grace``
+        seconds or left any process behind. Idempotent."""
+        if self.proc is None or self._stopped:
             return
+        self._stopped = True
+        self.stop_offset = self._log_size()
+        pgid = self.proc.pid  # start_new_session: the server leads its own group
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=30)
+                self.proc.send_signal(signal.SIGTERM)
+                self.proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
                 pass
+        deadline = time.monotonic() + 10.0
+        while process_group(pgid) and time.monotonic() < deadline:
+            if self.proc.poll() is not None:  # leader gone, children lingering
+                time.sleep(0.5)
+            else:
+                break
+        self.leftover = process_group(pgid)
+        if self.leftover or self.proc.poll() is None:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of the group is left
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.proc.wait(timeout=10)
+            self.exit_code = self.proc.wait(timeout=10.0)
+        except subprocess.TimeoutExpired:
+            self.exit_code = None
         self._log.close()
+
+    def _log_size(self) -> int:
+        try:
+            return self.log_path.stat().st_size
+        except OSError:
+            return 0
+
+    def log_text(self, until_stop: bool = False) -> str:
+        """The log (up to the moment :meth:`stop` began, if ``until_stop``)."""
+        try:
+            data = self.log_path.read_bytes()
+        except OSError:
+            return ""
+        if until_stop and self.stop_offset is not None:
+            data = data[:self.stop_offset]
+        return data.decode(errors="replace")
+
+    def shutdown_log(self) -> str:
+        """What the server logged while being stopped."""
+        if self.stop_offset is None:
+            return ""
+        try:
+            return self.log_path.read_bytes()[self.stop_offset:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_text()[-chars:]
+
+    def __enter__(self) -> "VllmServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

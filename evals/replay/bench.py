@@ -15,7 +15,7 @@ import time
 from tqdm import tqdm
 
 from ..options import parse_options
-from .device_route import device_us_per_row
+from .device_drafters import device_us_per_row
 from .drafters import DEVICE_METHODS, make_drafter, schedule_lookup
 from .engine import VirtualClock, replay
 from .projection import DEFAULT_COSTS, HostTime, StepCosts, break_even_host_ms

@@ -1,223 +1,14 @@
-"""Replay of the device-side route: what consensus drafting would keep and
-lose if it drafted on the GPU under async scheduling (vLLM Model Runner V2's
-speculator slot) instead of on the host between steps.
-
-The route it emulates: the host keeps the tries (a :class:`ConsensusDrafter`)
-and receives every row's sampled tokens by a non-blocking copy, so they reach
-the tries ``lag`` steps late; each step the host refreshes a device table
-keyed by context n-gram (per sibling group, every context of length <=
-``max_depth`` in the group's trie; one shared table over the cross-group
-trie) whose value is the best continuation of exactly K tokens; the device
-gathers each row's entry by the row's *current* last tokens (the device
-holds them), so the lookup context is fresh while the table is ``lag`` steps
-old. K is fixed per step (vLLM's ``num_speculative_tokens_per_batch_size``,
-chosen by a sweep at each batch size), every row verifies K tokens, and a
-row whose context is in neither table gets K fill tokens (its last token
-repeated, as vLLM's ``NgramGPUSpeculator`` fills a miss).
-
-Emulation: a sibling's token written at call t (in ``sampled``) is appended
-to the tries at call t + lag, before that call's lookups, so it is draftable
-from call t + lag on, never before. The lookup walks the row's last
-``max_depth`` tokens into the lagged group trie; if it matches at least
-``min_match`` tokens (key: that context in the group table) the continuation
-is the drafter's joint greedy walk from that context in both tries, else the
-context's longest match in the cross-group trie alone (the shared table).
-This is the value the table holds at that key, so the emulation gives exactly
-the table's answer without building it. Continuations are the most likely
-ones (no ``min_prob`` cut: every row pays for K tokens whether drafted or
-not); one shorter than K is padded with its last token.
-
-Table accounting (every ``ACCOUNT_EVERY``-th call with K > 0): entries =
-nodes of the live groups' tries plus the cross-group trie; an entry is an
-8-byte key and K int32 tokens. A full refresh copies all of them; the
-incremental refresh is at least the contexts whose next-token counts
-changed or that are new (counted exactly by diffing node totals around the
-step's appends). Entries whose K-token walk passes through a changed
-context also change; those are not counted, so the true incremental cost
-lies between the two figures.
-"""
+"""``python -m evals device-route``: the device route's replay runs as
+markdown (each variant's tau and projected speedup; the table's size and
+refresh cost against the lag's budget), and with ``--host-bench`` the host
+part of the speculator timed per call on a trace file. The route and its
+emulation: :mod:`evals.replay.device_drafters`."""
 
 from __future__ import annotations
 
-import hashlib
 import os
-import time
-from collections import deque
 
 import numpy as np
-
-from consensus_spec.drafting.drafter import ConsensusDrafter, DrafterOptions
-from consensus_spec.drafting import trie_kernels as TK
-from consensus_spec.drafting.trie_kernels import DEP, TOT, _step  # noqa: F401  (bound compiled)
-from consensus_spec.jit import Kernels
-
-DEVICE_LOOKUP_MS = 0.03  # assumed device time per step of the gather (in the CUDA graph)
-KEY_BYTES, TOKEN_BYTES = 8, 4
-ACCOUNT_EVERY = 16
-
-kernel = Kernels(globals(), uses=(TK.kernel,))
-
-
-@kernel
-def _keys(nodes, t0, t1, shift, half, max_depth, min_match, buf, lens, group_roots, cross_root):
-    """Per row, the (group node, cross node) pair the device table's entry for
-    its current context was drafted from; (-1, -1) is a miss."""
-    rows = lens.shape[0]
-    a_out = np.full(rows, -1, np.int64)
-    b_out = np.full(rows, -1, np.int64)
-    for i in range(rows):
-        n = lens[i]
-        start = max(0, n - max_depth)
-        a = group_roots[i]
-        if a >= 0:
-            for j in range(start, n):
-                a = _step(nodes, t0, t1, shift, half, max_depth, a, buf[i, j])
-            d = nodes[a, DEP]
-            if d >= min_match:  # group table hit: key is the last d tokens
-                b = cross_root
-                if b >= 0:
-                    for j in range(n - d, n):
-                        b = _step(nodes, t0, t1, shift, half, max_depth, b, buf[i, j])
-                a_out[i], b_out[i] = a, b
-                continue
-        if cross_root >= 0:  # shared cross-group table
-            b = cross_root
-            for j in range(start, n):
-                b = _step(nodes, t0, t1, shift, half, max_depth, b, buf[i, j])
-            if nodes[b, DEP] >= min_match:
-                b_out[i] = b
-    return a_out, b_out
-
-
-def device_us_per_row(batch: int) -> float:
-    """The drafter time the projection charges the device route per row-step:
-    the gather only; the host's tries and table refresh run off the critical path."""
-    return DEVICE_LOOKUP_MS * 1000.0 / max(batch, 1)
-
-
-class DeviceRouteDrafter:
-    """``(sampled, batch) -> drafts``: the device route as the replay calls it.
-    ``k_at(rows)``: the step's K (vLLM's scheduled k at that batch size)."""
-
-    def __init__(self, lag: int, k_at, options: DrafterOptions | None = None):
-        if lag < 0:
-            raise ValueError("lag must be >= 0")
-        self.lag, self.k_at = lag, k_at
-        self.drafter = ConsensusDrafter(options or DrafterOptions())
-        kernel.compile()
-        self.calls = 0
-        self.paths: dict[str, int] = {}       # request id -> drafter path
-        self.pending: deque = deque()          # (due call, paths, token lists) not yet appended
-        self.releases: deque = deque()         # (due call, path)
-        self.hits = self.cross_hits = self.misses = 0
-        self.feed_s = 0.0                      # host CPU time appending to the tries
-        self.accounted = []                    # (K, table entries, changed contexts) per sample
-        self.refresh_s = 0.0                   # host CPU time recomputing changed contexts' entries
-        self.digest = hashlib.sha1()           # of every call's drafts (to compare with the speculator)
-
-    def __call__(self, sampled, batch) -> list[list[int]]:
-        self.calls += 1
-        rows = len(sampled)
-        req_ids = list(batch.req_ids[:rows])
-        lens = np.asarray(batch.num_tokens_no_spec[:rows], np.int64)
-        gone = set(self.paths) - set(req_ids)
-        for req in sorted(gone):  # its tokens are all queued already; release once they are in
-            self.releases.append((self.calls + self.lag, self.paths.pop(req)))
-        for i, req in enumerate(req_ids):
-            if req not in self.paths:  # the prompt arrives with the request: not lagged
-                prompt = batch.token_ids_cpu[i, :int(batch.num_prompt_tokens[i])]
-                self.paths[req] = self.drafter.add_path(prompt)
-        paths = np.array([self.paths[r] for r in req_ids], np.int64)
-        self.pending.append((self.calls + self.lag, paths, [list(s) for s in sampled]))
-        k = int(self.k_at(rows))
-        account = k > 0 and self.calls % ACCOUNT_EVERY == 0
-        before = self._snapshot() if account else None
-        self._feed()
-        if account:
-            self._account(k, before)
-        if k <= 0 or rows == 0:
-            return [[] for _ in range(rows)]
-        drafts = self._lookup(paths, batch, lens, k)
-        self.digest.update(np.asarray(drafts, np.int64).reshape(rows, k).tobytes())
-        return drafts
-
-    def _feed(self) -> None:
-        t0 = time.process_time()
-        while self.pending and self.pending[0][0] <= self.calls:
-            _, paths, tokens = self.pending.popleft()
-            self.drafter.extend(paths, tokens)
-        while self.releases and self.releases[0][0] <= self.calls:
-            self.drafter.release(self.releases.popleft()[1])
-        self.feed_s += time.process_time() - t0
-
-    def _lookup(self, paths, batch, lens, k: int) -> list[list[int]]:
-        d, o = self.drafter, self.drafter.options
-        forest = d.forest
-        d._attached(paths)  # (re)builds any evicted group trie
-        group_roots = np.array([d._path_group[p].root for p in paths.tolist()], np.int64)
-        cross = d._cross_start()
-        buf = np.asarray(batch.token_ids_cpu[:len(paths)])
-        a, b = _keys(forest._nodes, *forest._tables, forest._shift, forest.half, o.max_depth,
-                     o.min_match, buf, lens, group_roots, cross)
-        toks, _, got = forest.draft_many(a, b, o.cross_group_weight, np.full(len(paths), k),
-                                         k, 0.0, o.min_match, o.prior)
-        drafts = []
-        for i, n in enumerate(got.tolist()):
-            if n:
-                self.hits += 1
-                self.cross_hits += int(a[i] < 0)
-                row = toks[i, :n].tolist()
-                drafts.append(row + [row[-1]] * (k - n))
-            else:  # miss: K fill tokens, the row's last token
-                self.misses += 1
-                drafts.append([int(buf[i, lens[i] - 1])] * k)
-        return drafts
-
-    def _snapshot(self):
-        forest = self.drafter.forest
-        ends = forest._state[:, 0].copy()
-        return ends, self.drafter.evictions, [forest._nodes[h * forest.half:ends[h], TOT].copy()
-                                              for h in (0, 1)]
-
-    def _account(self, k: int, before) -> None:
-        ends0, evictions, tot0 = before
-        d = self.drafter
-        forest = d.forest
-        if d.evictions != evictions:  # a half was dropped meanwhile: node ids were reused
-            return
-        ends1 = forest._state[:, 0]
-        dirty = np.concatenate([np.concatenate([
-            h * forest.half + np.flatnonzero(forest._nodes[h * forest.half:ends0[h], TOT] != tot0[h]),
-            np.arange(ends0[h], ends1[h])]) for h in (0, 1)])
-        t0 = time.process_time()  # the host recomputing those contexts' K-token entries
-        forest.draft_many(dirty, np.full(len(dirty), -1), 0.0, np.full(len(dirty), k), k, 0.0,
-                          d.options.min_match, d.options.prior)
-        self.refresh_s += time.process_time() - t0
-        roots = {d._path_group[p].root for p in self.paths.values()} | {d._cross_start()}
-        roots = [r for r in roots if r >= 0]
-        entries = int(forest.root_sizes(roots).sum()) - len(roots)  # roots hold no context
-        self.accounted.append((k, entries, len(dirty)))
-
-    def route_stats(self) -> dict:
-        """What the replay row records about the route (see the module doc)."""
-        lookups = self.hits + self.misses
-        acc = np.array(self.accounted, np.float64).reshape(-1, 3)
-        entry_bytes = KEY_BYTES + TOKEN_BYTES * acc[:, 0]
-        mean = lambda x: float(x.mean()) if len(x) else 0.0  # noqa: E731
-        return {"lag": self.lag, "device_lookups": lookups, "drafts_sha1": self.digest.hexdigest(),
-                "hit_rate": self.hits / max(lookups, 1),
-                "cross_hit_share": self.cross_hits / max(self.hits, 1),
-                "table_entries": mean(acc[:, 1]), "table_entries_max": float(acc[:, 1].max(initial=0)),
-                "refresh_full_bytes": mean(acc[:, 1] * entry_bytes),
-                "refresh_delta_bytes": mean(acc[:, 2] * entry_bytes),
-                "changed_contexts": mean(acc[:, 2]),
-                "host_feed_us_per_call": self.feed_s * 1e6 / max(self.calls, 1),
-                "host_refresh_us_per_call": self.refresh_s * 1e6 / max(len(acc), 1)}
-
-
-# ---------------------------------------------------------------------------
-# The comparison table: python -m evals device-route results/async.json
-# ---------------------------------------------------------------------------
 
 VARIANTS = (  # (method, label, the view that route runs under)
     ("consensus", "current route: consensus, sync, per-row budget", "speedup_async"),
@@ -268,6 +59,81 @@ def table_costs(results: list[dict], costs=None) -> str:
     return "\n".join(lines)
 
 
+class HostTimed:
+    """The emulation's drafts with the speculator's host part beside it: a
+    :class:`LaggedTries` fed the same tokens each call, its feed and delta
+    timed in thread CPU time. What the host does per step on a GPU server,
+    without the CPU standing in for the device (the gather) in between."""
+
+    def __init__(self, emulation, lag: int):
+        from consensus_spec.drafting.lagged import LaggedTries
+
+        self.emulation = emulation
+        self.tries = LaggedTries(lag, emulation.drafter.options)
+        self.paths: dict[str, int] = {}
+        self.feed_s: list[float] = []
+        self.delta_s: list[float] = []
+        self.wall_s: list[float] = []
+
+    def __call__(self, sampled, batch):
+        import time
+
+        tries, rows = self.tries, len(sampled)
+        req_ids = list(batch.req_ids[:rows])
+        tries.begin_call()
+        for req in sorted(set(self.paths) - set(req_ids)):
+            tries.leave(self.paths.pop(req))
+        for i, req in enumerate(req_ids):
+            if req not in self.paths:
+                self.paths[req] = tries.add(batch.token_ids_cpu[i, :int(batch.num_prompt_tokens[i])])
+        paths = np.fromiter((self.paths[r] for r in req_ids), np.int64, rows)
+        counts = np.fromiter(map(len, sampled), np.int64, rows)
+        tokens = np.zeros((rows, max(counts.max(initial=1), 1)), np.int32)
+        for i, s in enumerate(sampled):
+            tokens[i, :len(s)] = s
+        tries.push(paths, tokens, counts)
+        w0, t0 = time.perf_counter(), time.thread_time()
+        fed = tries.advance()
+        t1 = time.thread_time()
+        if rows:
+            tries.roots(paths)
+        tries.delta(fed)
+        t2, w2 = time.thread_time(), time.perf_counter()
+        self.feed_s.append(t1 - t0)
+        self.delta_s.append(t2 - t1)
+        self.wall_s.append(w2 - w0)
+        return self.emulation(sampled, batch)
+
+
+def host_bench(traces: str, rows: int, k: int, lag: int, limit: int, repeats: int,
+               tokenizer: str | None = None) -> list[dict]:
+    """Host time per call (feed + refresh) of the device route at ``rows``
+    rows and a fixed K, per repeat: thread CPU time (median, p90, mean) and
+    wall time (median, mean)."""
+    from consensus_spec.drafting.drafter import DrafterOptions
+
+    from ..traces import load_problems, load_tokenizer
+    from .device_drafters import DeviceRouteDrafter
+    from .engine import replay
+
+    problems = load_problems(traces, load_tokenizer(tokenizer), limit=limit)
+    max_len = max(len(p.prompt) + max(map(len, p.completions)) for p in problems) + k + 2
+    out = []
+    for r in range(repeats + 1):  # the first run compiles and warms up: not reported
+        timed = HostTimed(DeviceRouteDrafter(lag, lambda n: k, DrafterOptions()), lag)
+        replay(problems if r else problems[:2], timed, "device-host", k, rows)
+        if not r:
+            continue
+        feed, delta = np.array(timed.feed_s) * 1e6, np.array(timed.delta_s) * 1e6
+        both, wall = feed + delta, np.array(timed.wall_s) * 1e6
+        out.append({"rows": rows, "k": k, "lag": lag, "calls": len(both), "max_len": max_len,
+                    "host_us_median": float(np.median(both)), "host_us_p90": float(np.percentile(both, 90)),
+                    "host_us_mean": float(both.mean()), "wall_us_median": float(np.median(wall)),
+                    "wall_us_mean": float(wall.mean()), "feed_us_median": float(np.median(feed)),
+                    "refresh_us_median": float(np.median(delta))})
+    return out
+
+
 def main(argv=None) -> int:
     import argparse
     import json
@@ -288,7 +154,6 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer")
     args = ap.parse_args(argv)
     if args.host_bench:
-        from .device_speculator import host_bench
         for rec in host_bench(args.results, args.rows, args.k, args.lag, args.limit, args.repeats,
                               args.tokenizer):
             print(json.dumps(rec))

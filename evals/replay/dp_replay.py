@@ -32,7 +32,7 @@ from consensus_spec.sampling.routing import data_parallel_rank
 
 from .drafters import make_drafter
 from .engine import replay
-from ..options import parse_options, write_results
+from ..options import add_trace_args, parse_options, write_results
 from ..traces import Problem, TraceError, load_problems, load_tokenizer, shared_path
 
 DEFAULT_TRACES = ("gsm8k_qwen3_4b_n8.jsonl", "addsub_codex002_n40.jsonl", "svamp_pot_codex002_n30.jsonl")
@@ -90,14 +90,12 @@ def replay_dp(problems: list[Problem], method: str, k: int, rows: int, dp: int, 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m evals dp-replay",
                                  description=__doc__.split("\n\n")[0])
-    ap.add_argument("--traces", nargs="+", help="trace files (default: the shared traces)")
+    add_trace_args(ap)
     ap.add_argument("--methods", nargs="+", default=["consensus", "suffix"],
                     choices=["consensus", "suffix", "ngram"])
     ap.add_argument("--dp", type=int, nargs="+", default=[1, 2, 8], help="engine counts D")
     ap.add_argument("--rows", type=int, default=64, help="total batch rows, split over D engines")
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
-    ap.add_argument("--limit", type=int, help="first N problems of each set")
-    ap.add_argument("--tokenizer", help="tokenizer.json (default: shared GPT-2)")
     ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                     help="consensus drafter option, e.g. cost_model=off (repeatable)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the one-engine@rows/D runs")

@@ -27,12 +27,12 @@ Methods:
 - ``device-lag0``, ``device-lag1``, ``device-lag2``: the device route's vLLM
   speculator itself (``consensus_spec/vllm/device_route.py``, driven with
   vLLM's own ``RequestState`` and ``InputBatch`` on CPU tensors:
-  :mod:`evals.replay.device_speculator`): consensus tries fed sibling tokens
+  :mod:`evals.replay.device_drafters`): consensus tries fed sibling tokens
   0, 1 or 2 steps late, drafts gathered on the device from a table of
   contexts by each row's current tokens, K fixed per step. vLLM's Model
   Runner V2 passes its speculators the scheduled k, so a schedule applies.
 - ``device-emul-lag0|1|2``: the emulation the route was decided on
-  (:mod:`evals.replay.device_route`), which reads the tries directly; its
+  (:mod:`evals.replay.device_drafters`), which reads the tries directly; its
   drafts must equal the speculator's token for token (``drafts_sha1``).
 """
 
@@ -212,14 +212,14 @@ def make_drafter(method: str, k: int, max_model_len: int, max_num_seqs: int,
         from consensus_spec.device_route.options import drafter_options
         from consensus_spec.vllm.options import split_options
 
-        from .device_route import DeviceRouteDrafter
+        from .device_drafters import DeviceRouteDrafter
         lag = int(method.removeprefix("device-emul-lag"))
         options, _, route = split_options({**(consensus_options or {}), "lag": lag})
         # the options the speculator runs with (its cross-group cap), so drafts can match
         options = drafter_options(options, route, max_num_seqs, k + 1)
         return DeviceRouteDrafter(lag, k_at, options)
     if method in DEVICE_METHODS:
-        from .device_speculator import SpeculatorDrafter
+        from .device_drafters import SpeculatorDrafter
         return SpeculatorDrafter(int(method.removeprefix("device-lag")), k_at, k, max_model_len,
                                  max_num_seqs, consensus_options)
     from consensus_spec import ConsensusProposer

@@ -20,14 +20,13 @@ Three runs of the same traces, side by side:
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 
 import numpy as np
 
 from consensus_spec import ConsensusProposer
 
+from ..options import write_json
 from .drafters import stand_in_config
 from .engine import replay
 from ..traces import TraceError, load_problems, load_tokenizer, shared_path
@@ -164,9 +163,7 @@ def main(argv=None) -> int:
               + ", ".join(f"{w * WINDOW + 1}-{(w + 1) * WINDOW}: {x:.3f}"
                           for w, x in enumerate(r[key])))
     if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(r, f, indent=1)
+        write_json(args.out, r)
     bad = any(r[x]["escaped"] or r[x]["wrong_shape"] for x in ("corrupted", "reset"))
     return 1 if bad else 0
 

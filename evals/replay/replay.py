@@ -36,6 +36,7 @@ from .bench import DEFAULT_HOST_TIME, Bench, load_tables, pick_schedule
 from .projection import DEFAULT_COSTS
 from .drafters import DEVICE_METHODS, METHODS, SCHEDULABLE
 from .report import markdown, sweep_markdown, targets
+from ..options import add_trace_args, write_results
 from ..traces import TraceError, load_problems, load_tokenizer, shared_path
 
 DEFAULT_TRACES = ("addsub_codex002_n40.jsonl", "gsm8k_qwen3_4b_n8.jsonl", "svamp_pot_codex002_n30.jsonl")
@@ -45,15 +46,13 @@ SWEEP_K = (0, 1, 2, 3, 4, 6, 8)
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m evals replay", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--traces", nargs="+", help="trace files (default: the shared traces)")
+    add_trace_args(ap)
     ap.add_argument("--methods", nargs="+", default=[m for m in METHODS if m not in DEVICE_METHODS],
                     choices=METHODS, help="default: all but the device-route emulations (device-lag*)")
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens (the most any step drafts)")
     ap.add_argument("--scouts", type=int, nargs="+", default=[0], help="scout counts to run")
     ap.add_argument("--batches", type=int, nargs="+", default=list(PROJECTED_BATCHES),
                     help="batch sizes (rows) to replay at; each is projected at its own size")
-    ap.add_argument("--limit", type=int, help="first N problems of each set")
-    ap.add_argument("--tokenizer", help="tokenizer.json (default: shared GPT-2)")
     ap.add_argument("--costs", default=DEFAULT_COSTS)
     ap.add_argument("--host-time", default=DEFAULT_HOST_TIME,
                     help="host ms per step by batch size ({\"B\", \"host_ms\"} JSONL from "
@@ -232,18 +231,9 @@ def main(argv=None) -> int:
         table += ("\n\nCPU speed during the run: a fixed pure-Python loop (5M additions) took "
                   + " / ".join(f"{x:.2f}" for x in reference) + " s of CPU time before / after "
                   "(drafter times scale with it).")
-    print(table)
-    if sweep_table:
-        print("\n" + sweep_table)
-    if checks:
-        print("\nTargets:\n" + "\n".join("- " + c for c in checks))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump({"args": vars(args), "cpu_reference_s": reference, "results": results, "sweep": sweeps,
-                   "schedules": {n: {m: {k: v for k, v in p.items()} for m, p in t.items()}
-                                 for n, t in tuned.items()}}, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(table + "\n" + ("\n" + sweep_table + "\n" if sweep_table else "")
-                + ("\nTargets:\n" + "\n".join("- " + c for c in checks) + "\n" if checks else ""))
-    print(f"wrote {args.out}.json and {args.out}.md")
+    text = (table + ("\n\n" + sweep_table if sweep_table else "")
+            + ("\n\nTargets:\n" + "\n".join("- " + c for c in checks) if checks else ""))
+    print(text)
+    write_results(args.out, {"args": vars(args), "cpu_reference_s": reference, "results": results,
+                             "sweep": sweeps, "schedules": tuned}, text)
     return 0

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import random
 import resource
 import sys
@@ -29,6 +27,7 @@ import numpy as np
 
 from consensus_spec import DrafterOptions
 
+from ..options import write_json
 from .drafters import make_drafter
 from .engine import replay
 from .replay import DEFAULT_TRACES
@@ -307,9 +306,7 @@ def main(argv=None) -> int:
         return 2
     print(markdown(result))
     if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.out, result)
         print(f"wrote {args.out}")
     return 0 if result["summary"]["check_passed"] else 1
 
