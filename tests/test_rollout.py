@@ -41,3 +41,25 @@ def test_rollout_separate_requests_and_bad_arguments(tmp_path):
     assert rows[0]["rows"] == 4
     bad = run_evals("rollout", "--group", "0")
     assert bad.returncode == 2 and "must be >= 1" in bad.stderr
+
+
+def test_replay_fixed_batch_admission(tmp_path):
+    """``python -m evals replay --admission fixed``: the embedded fixture's 16
+    problems x 8 paths as two batches of 64 rows, every path replayed whole,
+    projected makespan and tail against no drafting."""
+    from tests.evals_cli import EOS, STEP_COSTS, TRACES, read_json
+
+    out = tmp_path / "fixed"
+    stdout = ok(run_evals("replay", "--admission", "fixed", "--traces", TRACES, "--batches", "64",
+                          "--methods", "none", "consensus", "--schedules", "fixed", "--costs", STEP_COSTS,
+                          "--host-time", "none", "--out", out))
+    assert "PROJECTED" in stdout and "2 batches of 8 prompts x 8 paths (64 rows)" in stdout
+    rows = {r["method"]: r for r in read_json(str(out) + ".json")["results"]}
+    paths = [c for line in open(TRACES) for c in json.loads(line)["completion_ids"]]
+    recorded = sum(len(c) + (c[-1] != EOS) - 1 for c in paths)  # the loader ends each with EOS
+    for r in rows.values():
+        assert r["admission"] == "fixed" and r["batches"] == 2 and r["tokens"] == recorded
+        assert 0 < r["tail_ms"] < r["makespan_ms"]
+    assert rows["none"]["tau"] == 1.0 and rows["consensus"]["tau"] > 1.0
+    bad = run_evals("replay", "--admission", "fixed", "--from-json", str(out) + ".json")
+    assert bad.returncode == 2 and "no --from-json" in bad.stderr
