@@ -134,8 +134,8 @@ def markdown(results: list[dict]) -> str:
     out = ["PROJECTED on the H200 step-cost table (replayed traces, drafter CPU time measured "
            "here; prefill and host time left out): fixed rollout batches, all rows admitted at "
            "once, no refill, run to the last token."]
-    for name in dict.fromkeys(r["traces"] for r in results):
-        rs = [r for r in results if r["traces"] == name]
+    for name, rows in dict.fromkeys((r["traces"], r["batch"]) for r in results):
+        rs = [r for r in results if (r["traces"], r["batch"]) == (name, rows)]
         base = next((r for r in rs if r["method"] == "none"), None)
         r0 = rs[0]
         out += ["", f"**{name}**: {r0['batches']} batches of {r0['prompts_per_batch']} prompts x "
