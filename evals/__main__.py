@@ -28,6 +28,9 @@ GROUPS = {
         ("record", "record n sampled completions per problem as JSONL traces (ids, answers)"),
         ("serve-sc", "self-consistency through a vLLM server: the endpoint vs n=16 clients"),
     ),
+    "evals.rollout": (  # RL rollouts: a fixed batch of groups run to its last token
+        ("rollout", "P prompts x G samples at once: makespan, tail, tokens/row-step per drafting method"),
+    ),
     "evals.measure": (  # measurements the projections and the budget take as input
         ("step-costs", "measure a step-cost table T(B, q) for the draft budget"),
         ("host-time", "measure host time per engine step (what async scheduling hides)"),

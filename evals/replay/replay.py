@@ -77,6 +77,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--repeat-batches", type=int, nargs="+", default=[128])
     ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                     help="consensus drafter option, e.g. min_prob=0.3 (repeatable)")
+    ap.add_argument("--admission", choices=("refill", "fixed"), default="refill",
+                    help="refill: a path enters as soon as a row is free (default); fixed: RL rollout "
+                         "batches of --batches rows, admitted whole, run to the last token, no refill "
+                         "(evals/rollout/replay_fixed.py)")
+    ap.add_argument("--group", type=int, help="with --admission fixed: paths per problem (default: all)")
     ap.add_argument("--out", default="results/replay", help="output prefix (.json and .md)")
     ap.add_argument("--drafter-time-scale", type=float, default=1.0,
                     help="what-if: project with the measured drafter time times this (e.g. 0.5 for a "
@@ -109,6 +114,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--tune-limit and --repeats must be >= 1")
     if args.drafter_time_scale < 0 or args.host_time_scale < 0 or args.costs_slope_scale < 0:
         ap.error("--drafter-time-scale, --host-time-scale and --costs-slope-scale must be >= 0")
+    if args.admission == "fixed" and args.from_json:
+        ap.error("--admission fixed replays: it has no --from-json")
+    if args.group is not None and args.group < 1:
+        ap.error("--group must be >= 1")
     if args.repick and not args.from_json:
         ap.error("--repick needs --from-json")
     if min(args.sweep_k) < 0 or max(args.sweep_k) > args.k:
@@ -180,6 +189,12 @@ def run(args) -> tuple[list[dict], list[dict], dict]:
                     pick = tuned[name].get(method)
                     repeats = (args.repeats if method.startswith("consensus")
                                and batch in args.repeat_batches else 1)
+                    if args.admission == "fixed":
+                        from ..rollout.replay_fixed import run_fixed
+                        results.append(run_fixed(bench, problems, name, method, batch, args.group,
+                                                 pick["schedule"] if pick else args.schedule,
+                                                 (pick["params"] or None) if pick else None))
+                        continue
                     for i in range(repeats):
                         row = bench.run(problems, name, method, batch, scouts,
                                         pick["schedule"] if pick else args.schedule,
@@ -219,9 +234,12 @@ def main(argv=None) -> int:
         print(f"error: {e}. The ngram/suffix baselines need vLLM (and arctic-inference for suffix); "
               "install with `pip install -e .[cpu,bench]` or pass --methods consensus none.", file=sys.stderr)
         return 2
-    table = markdown(results, tuned, host)
+    if getattr(args, "admission", "refill") == "fixed":
+        from ..rollout.replay_fixed import markdown as fixed_markdown
+        table, checks = fixed_markdown(results), []
+    else:
+        table, checks = markdown(results, tuned, host), targets(results)
     sweep_table = sweep_markdown(sweeps)
-    checks = targets(results)
     scales = [f"{what} × {x:g}" for what, x in (("drafter time", args.drafter_time_scale),
                                                 ("host time", args.host_time_scale)) if x != 1.0]
     if scales:
