@@ -2,7 +2,19 @@
 model, consensus drafting, the endpoint plugin through VLLM_PLUGINS):
 started once, on first use, and always stopped."""
 
+import os
+import shutil
+import tempfile
+
 import pytest
+
+# engines and proposers the tests start remember step costs here, never in the user's cache
+_STEP_COSTS = tempfile.mkdtemp(prefix="consensus_spec_step_costs_")
+os.environ["CONSENSUS_SPEC_STEP_COSTS_DIR"] = _STEP_COSTS
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_STEP_COSTS, ignore_errors=True)
 
 SC_MAX_INFLIGHT = 6  # CONSENSUS_SPEC_SC_MAX_INFLIGHT for this server
 SC_MAX_N = 32

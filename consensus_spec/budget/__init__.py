@@ -23,7 +23,10 @@ A model fitted on one machine is a prior, not a fact: by default
 steps, on top of the model (:class:`OnlineStepCosts`), and optimises the
 measured step time plus the drafter's own. A measured table
 (``python -m evals step-costs --out costs.jsonl``, passed as ``cost_model``)
-is a better prior; ``cost_model="off"`` drafts as long as the drafter is
+is a better prior. With ``auto``, what was learned is remembered per machine
+(:mod:`.remember`) and the next start begins from it as a measured prior:
+the guard's plain windows and exploration then run only where the engine
+disagrees with it (:class:`MeasuredStepCosts`). ``cost_model="off"`` drafts as long as the drafter is
 confident, with nothing learned.
 
 The drafter's own estimates come from few sightings and run high, so an
@@ -31,10 +34,12 @@ The drafter's own estimates come from few sightings and run high, so an
 this engine, per bin of estimate, before the budget uses them.
 """
 
+from . import remember
 from .calibration import AcceptanceCalibrator
 from .cost_models import AUTO, COST_MODELS, StepCostModel, cost_model
+from .measured import MeasuredStepCosts
 from .online import OnlineStepCosts
 from .policy import DraftBudget, choose_lengths
 
-__all__ = ["AUTO", "COST_MODELS", "AcceptanceCalibrator", "DraftBudget", "OnlineStepCosts",
+__all__ = ["AUTO", "COST_MODELS", "AcceptanceCalibrator", "DraftBudget", "MeasuredStepCosts", "OnlineStepCosts",
            "StepCostModel", "choose_lengths", "cost_model"]

@@ -10,6 +10,9 @@ it is off), and each window is paired with the steps just before it, which
 share its load. When the paired ratio says the other way is faster by more
 than a margin, over several windows, the guard switches. Windows grow rarer
 while the verdict holds, so a settled engine pays little for the check.
+Where a measured step-cost table holds (``settled``, see measured.py) the
+windows are skipped while drafting is on: they would only find what the
+table says.
 """
 
 from __future__ import annotations
@@ -49,12 +52,16 @@ class DraftingGuard:
     """Per batch-size bucket: whether this step drafts (:meth:`drafts`), and
     what each step delivered (:meth:`observe`, for the step just run)."""
 
-    def __init__(self):
+    def __init__(self, settled=None):
+        self._settled = settled  # batch -> True where a measured table holds (no windows there)
         self._buckets: dict[int, _Bucket] = {}
         self._last: tuple[_Bucket, bool] | None = None  # bucket, was a window step
         self.windows = 0
         self.switches = 0
         self.steps_other = 0  # steps run against the current policy, to check it
+        self.steps_forced_plain = 0  # of those, plain steps while drafting was the policy
+        self.windows_skipped = 0     # due windows left out where a measured table holds
+        self.tokens_given_up = 0.0   # windows' tokens short of the steps before them, summed
 
     def drafts(self, batch: int) -> bool:
         """Whether the step about to be drafted for should carry drafts."""
@@ -64,11 +71,16 @@ class DraftingGuard:
         if b.left == 0:
             b.countdown -= 1
             if b.countdown <= 0:
-                b.left, b.window = WINDOW, [0.0, 0.0]
+                if b.drafting and self._settled is not None and self._settled(batch):
+                    b.countdown = b.period
+                    self.windows_skipped += 1
+                else:
+                    b.left, b.window = WINDOW, [0.0, 0.0]
         in_window = b.left > 0
         if in_window:
             b.left -= 1
             self.steps_other += 1
+            self.steps_forced_plain += b.drafting
         self._last = (b, in_window)
         return b.drafting != in_window
 
@@ -88,6 +100,7 @@ class DraftingGuard:
         if b.left == 0 and len(b.before) == WINDOW:  # window done: pair it with the steps before
             ordinary = sum(t for t, _ in b.before) / sum(s for _, s in b.before)
             ratio = math.log((b.window[0] / b.window[1]) / ordinary)
+            self.tokens_given_up += ordinary * b.window[1] - b.window[0]  # < 0: the window did better
             b.verdict = ratio if b.windows == 0 else MEMORY * b.verdict + (1 - MEMORY) * ratio
             b.windows += 1
             self.windows += 1
@@ -103,8 +116,13 @@ class DraftingGuard:
         elif b.left == 0:
             b.countdown = b.period  # nothing to pair it with: just wait for the next
 
+    def start_off(self, batch: int) -> None:
+        """Start the bucket of ``batch`` with drafting off (a remembered verdict)."""
+        b = self._buckets.setdefault(_bucket(batch), _Bucket())
+        b.drafting = False
+
     def summary(self) -> dict:
         return {"windows": self.windows, "switches": self.switches,
-                "steps_other_policy": self.steps_other,
+                "steps_other_policy": self.steps_other, "windows_skipped": self.windows_skipped,
                 "drafting_off_at_rows": sorted(int(round(2 ** (k / BUCKETS_PER_OCTAVE)))
                                                for k, b in self._buckets.items() if not b.drafting)}

@@ -119,7 +119,8 @@ def _fit(prec, rhs, out):
 
 # A bucket's state, one row of floats (few kernel arguments: cheap calls).
 XTX, XTY, COUNT, NOISE, REJECTS, THETA, PRIOR, DRAFTER, DRAFTER_N, DRAFTED = 0, 9, 12, 13, 14, 15, 18, 21, 22, 23
-OBSERVED, EXPLORED_AT, WIDTH = 24, 25, 26
+OBSERVED, EXPLORED_AT = 24, 25
+REF, MEASURED, WIDTH = 26, 29, 30  # a measured prior's fit and whether it still holds (measured.py)
 
 
 @kernel

@@ -12,7 +12,7 @@ from . import calibration
 from .calibration import AcceptanceCalibrator, _calibrate
 from .cost_models import StepCostModel
 from .guard import DraftingGuard
-from .online import OnlineStepCosts
+from .measured import MeasuredStepCosts
 
 kernel = Kernels(globals(), uses=(calibration.kernel,))
 
@@ -132,12 +132,23 @@ class DraftBudget:
     :meth:`observe` and, with online costs, :meth:`observe_step`."""
 
     def __init__(self, model: StepCostModel, calibrator: "AcceptanceCalibrator | None" = None,
-                 online: bool = False):
+                 online: bool = False, measured: list[dict] | None = None,
+                 drafting_off_at: tuple[int, ...] = ()):
+        """``measured``: a table timed on this machine (see measured.py) the
+        online fit starts from; ``drafting_off_at``: batch sizes where a
+        remembered guard verdict starts with drafting off."""
         kernel.compile()
         self.model = model
         self.calibrator = calibrator or AcceptanceCalibrator()
-        self.costs = OnlineStepCosts(model) if online else None
-        self.guard = DraftingGuard() if online else None
+        self.costs = MeasuredStepCosts(model) if online else None
+        if self.costs is not None and measured:
+            self.costs.seed(measured)
+        # self.costs may be swapped for a kept one (the proposer's reset): look it up each time
+        self.guard = DraftingGuard(lambda b: self.costs.settled(b)) if online else None
+        for batch in drafting_off_at if self.guard is not None else ():
+            self.guard.start_off(batch)
+        self.tokens_explore_lost = 0.0  # what exploring steps were expected to give up
+        self.tokens_seen, self.seconds_seen = 0, 0.0  # every step the guard saw
         self._draft = True  # this step may carry drafts (the guard's call)
         self._step_ms: OrderedDict[int, np.ndarray] = OrderedDict()  # batch -> T(batch, 1 + m/batch)
         self._explore = False  # this step explores (see floor)
@@ -199,9 +210,13 @@ class DraftBudget:
                 bound = first if first.sum() != out.sum() else second
                 # ...where the estimate says that costs next to nothing
                 table = self.step_ms(batch, tokens)
-                if _value(probs, bound, batch, table, rate) >= \
-                        (1.0 - EXPLORE_LOSS) * _value(probs, out, batch, table, rate):
+                v_bound = _value(probs, bound, batch, table, rate)
+                v_out = _value(probs, out, batch, table, rate)
+                if v_bound >= (1.0 - EXPLORE_LOSS) * v_out:
                     self.costs.steps_explored += 1
+                    # tokens per ms short of the estimate's choice, over the step's time
+                    self.tokens_explore_lost += (v_out - v_bound) * table[min(int(bound.sum()),
+                                                                             len(table) - 1)]
                     return bound
         return out
 
@@ -218,3 +233,23 @@ class DraftBudget:
         """What the last step delivered, every step counted (the guard's input)."""
         if self.guard is not None:
             self.guard.observe(tokens, seconds)
+            if seconds > 0.0 and tokens > 0:
+                self.tokens_seen += tokens
+                self.seconds_seen += seconds
+
+    def learning_cost(self) -> dict:
+        """What learning the step costs cost so far: the guard's forced plain
+        steps, explored steps, and the tokens per second they gave up
+        (estimated: windows against the steps before them, exploration by
+        the fit's own values), as a share of the tokens delivered too."""
+        if self.costs is None:
+            return {}
+        lost = self.guard.tokens_given_up + self.tokens_explore_lost
+        return {"forced_plain_steps": self.guard.steps_forced_plain,
+                "explored_steps": self.costs.steps_explored,
+                "windows_skipped": self.guard.windows_skipped,
+                "tokens_given_up": round(lost, 1),
+                "tokens_per_s_given_up": round(lost / self.seconds_seen, 2) if self.seconds_seen else 0.0,
+                "share_given_up": round(lost / self.tokens_seen, 4) if self.tokens_seen else 0.0,
+                "measured_buckets": self.costs.measured_buckets(),
+                "disagreements": self.costs.disagreements, "resettled": self.costs.resettled}

@@ -29,6 +29,11 @@ class ProposerOptions:
 
     cost_model: str = AUTO  # the draft budget's step-cost model (see consensus_spec.budget), or "off"
     online_costs: bool = True  # learn step costs from timed steps, cost_model as the prior
+    # cost_model=auto: keep what was learned per machine (model, dtype, device, TP/DP, vLLM
+    # version) and start the next engine from it; step_costs_dir "" is the user's cache
+    # ($CONSENSUS_SPEC_STEP_COSTS_DIR, else ~/.cache/consensus_spec/step_costs)
+    remember_costs: bool = True
+    step_costs_dir: str = ""
     warmup: bool = True   # compile and run the kernels at construction, not on the first request
     max_failures: int = 3  # failing steps in a row after which drafting is switched off
 

@@ -33,6 +33,7 @@ from ..drafting.drafter import ConsensusDrafter
 from ..drafting.forest import TOKEN_LIMIT
 from . import compat
 from .assumptions import warn_if_unchecked
+from .memory import SAVE_EVERY_STEPS, CostMemory
 from .options import options_from_vllm, parse_options
 from .rows import RowTracker
 
@@ -54,11 +55,17 @@ class ConsensusProposer:
         merged = {**options_from_vllm(vllm_config), **options}
         self.drafter_options, self.proposer_options = parse_options(merged)
         name = self.proposer_options.cost_model
+        self._memory = self._remembered = None
         if name == AUTO:
             device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cuda")
             name = "cpu_embedded" if device == "cpu" else "h200_7b"
-        self._cost_model = cost_model(name)
-        self._cost_model_name = name
+            opts = self.proposer_options
+            if opts.remember_costs and opts.online_costs:
+                self._memory = CostMemory.for_engine(vllm_config, opts.step_costs_dir, self)
+                self._remembered = self._memory.load() if self._memory is not None else None
+        # a remembered table brings its own prior (the model its fit was relative to)
+        self._cost_model = self._remembered["prior"] if self._remembered else cost_model(name)
+        self._cost_model_name = name + (" (remembered)" if self._remembered else "")
         self.clock = time.perf_counter  # seconds; replaceable (replay drives virtual time)
         self.steps_timed = 0        # engine steps charged to the budget's cost fit
         self.steps_unattributed = 0  # steps left out (prefill, new rows, missed steps...)
@@ -85,7 +92,10 @@ class ConsensusProposer:
         costs learned so far are kept (they describe the machine, not the state)."""
         learned = getattr(getattr(self, "budget", None), "costs", None)
         self.drafter = ConsensusDrafter(self.drafter_options)
-        self.budget = (DraftBudget(self._cost_model, online=self.proposer_options.online_costs)
+        table = self._remembered or {}
+        self.budget = (DraftBudget(self._cost_model, online=self.proposer_options.online_costs,
+                                   measured=table.get("rows"),
+                                   drafting_off_at=tuple(table.get("drafting_off_at_rows", ())))
                        if self._cost_model is not None else None)
         if learned is not None and self.budget is not None:
             self.budget.costs = learned
@@ -253,6 +263,8 @@ class ConsensusProposer:
             self.budget.observe_step(num_rows, verified, 1000.0 * (start - self._last_end),
                                      1000.0 * self._last_call_s)
             self.steps_timed += 1
+            if self._memory is not None and self.steps_timed % SAVE_EVERY_STEPS == 0:
+                self._memory.maybe_save()
         if self._next_log is None:
             self._next_log = start + LOG_EVERY_S
         elif start >= self._next_log:
@@ -298,7 +310,14 @@ class ConsensusProposer:
                 "steps_outliers": costs.steps_rejected, "explore_pct": round(self._explore_pct(), 2),
                 "step_costs": costs.summary(self._last_rows),
                 "step_costs_by_rows": costs.learned(),
-                "guard": self.budget.guard.summary()}
+                "guard": self.budget.guard.summary(),
+                "learning_cost": self.budget.learning_cost(),
+                "step_costs_file": self._memory.path if self._memory is not None else None}
+
+    def save_step_costs(self) -> str | None:
+        """Remember what was learned now (also done every few hundred timed
+        steps and at exit); the file's path, or None."""
+        return self._memory.save() if self._memory is not None else None
 
     def load_model(self, *args, **kwargs) -> None:
         pass  # model-free

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from ..options import parse_options
 from .device_drafters import device_us_per_row
+from . import projection as startup
 from .drafters import DEVICE_METHODS, make_drafter, schedule_lookup
 from .engine import VirtualClock, replay
 from .projection import DEFAULT_COSTS, HostTime, StepCosts, break_even_host_ms
@@ -194,16 +195,19 @@ class Bench:
         k = self.args.k
         max_len = max(len(p.prompt) + max(map(len, p.completions)) for p in problems) + k + 2
 
-        def build(clock):
-            return make_drafter(method, k, max_len, batch, self.options, schedule=schedule,
-                                suffix_options=suffix_options, clock=clock)
+        def build(clock, memory=None):
+            options = {**self.options, **memory.options} if memory else self.options
+            return make_drafter(method, k, max_len, batch, options, schedule=schedule,
+                                suffix_options=suffix_options, clock=clock,
+                                model=memory.model if memory else None)
 
         if method not in self.warmed:  # load compiled code before anything is timed
             clock = self.clock(method)
             replay(problems[:1], build(clock), method, k, batch, scouts, clock=clock)
             self.warmed.add(method)
         clock = self.clock(method)
-        inner = build(clock)
+        memory = startup.for_run(self.args, self.costs, method, clock, name, batch, tag)
+        inner = build(clock, memory)
         log = CallLog(inner) if getattr(self.args, "step_log", False) else None
         drafter = CpuTimed(log or inner)
         learning = LearningTrace(inner.proposer, self.costs) if clock is not None else None
@@ -224,7 +228,10 @@ class Bench:
         if learning is not None:
             row["learning"] = learning.summary()
             row["cost_counters"] = {key: value for key, value in inner.proposer.counters().items()
-                                    if key.startswith(("steps_", "explore", "cost_model", "guard"))}
+                                    if key.startswith(("steps_", "explore", "cost_model", "guard",
+                                                       "learning"))}
+        if memory is not None:
+            row["step_cost_memory"] = memory.finish(inner.proposer)
         if log is not None:
             row["calls"] = log.calls
             row["steps"] = [[b, m] for b, m in zip(stats.step_rows, stats.step_drafted)]

@@ -174,7 +174,7 @@ class ProposerDrafter:
 
 def make_drafter(method: str, k: int, max_model_len: int, max_num_seqs: int,
                  consensus_options: dict | None = None, schedule=None,
-                 suffix_options: dict | None = None, clock=None):
+                 suffix_options: dict | None = None, clock=None, model: str | None = None):
     """A callable ``(sampled_token_ids, batch) -> drafts`` for ``method``.
 
     ``schedule``: vLLM's ``num_speculative_tokens_per_batch_size`` for ngram
@@ -182,6 +182,8 @@ def make_drafter(method: str, k: int, max_model_len: int, max_num_seqs: int,
     (and suffix-budget). ``clock``: the time consensus's proposer reads to
     learn step costs (a :class:`evals.replay.engine.VirtualClock`); without one a
     replay has no step times, so its budget keeps the fixed cost model.
+    ``model``: the machine's name where consensus remembers its step costs
+    (:mod:`evals.replay.startup`).
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
@@ -189,6 +191,9 @@ def make_drafter(method: str, k: int, max_model_len: int, max_num_seqs: int,
         raise ValueError(f"vLLM applies num_speculative_tokens_per_batch_size to {SCHEDULABLE} "
                          f"only, not to {method!r}")
     cfg = stand_in_config(k, max_model_len, max_num_seqs, **(suffix_options or {}))
+    if model is not None:
+        from .projection import name_machine
+        name_machine(cfg, model)
     k_at = _scheduled_k(k, max_num_seqs, schedule)
     if method == "none":
         return lambda sampled, batch: [[] for _ in sampled]

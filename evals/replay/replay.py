@@ -94,6 +94,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--online", choices=("on", "off"), default="on",
                     help="consensus learns its step costs from a clock that the --costs table "
                          "drives (the prior is its cost_model option); off: fixed cost model")
+    ap.add_argument("--startup-profile", type=float, metavar="NOISE",
+                    help="consensus starts each run from an emulated start-up profile: the --costs "
+                         "table timed with relative noise NOISE (evals/replay/startup.py)")
+    ap.add_argument("--profile-seed", type=int, default=0, help="seed of the profile's noise")
+    ap.add_argument("--save-costs", metavar="DIR",
+                    help="keep each consensus run's remembered step costs as DIR/SET_B<rows>.json")
+    ap.add_argument("--costs-from", metavar="DIR",
+                    help="each consensus run starts from DIR/SET_B<rows>.json (a --save-costs run's)")
     ap.add_argument("--from-json", metavar="FILE",
                     help="replay nothing: project the results of an earlier run's .json afresh "
                          "(e.g. on another --host-time or --costs table)")
@@ -118,6 +126,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--admission fixed replays: it has no --from-json")
     if args.group is not None and args.group < 1:
         ap.error("--group must be >= 1")
+    if args.startup_profile is not None and not 0.0 <= args.startup_profile < 0.5:
+        ap.error("--startup-profile NOISE must be in [0, 0.5)")
+    if (args.startup_profile is not None or args.save_costs or args.costs_from) and args.online == "off":
+        ap.error("--startup-profile, --save-costs and --costs-from need --online on")
     if args.repick and not args.from_json:
         ap.error("--repick needs --from-json")
     if min(args.sweep_k) < 0 or max(args.sweep_k) > args.k:
