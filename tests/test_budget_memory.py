@@ -16,6 +16,7 @@ import pytest
 from consensus_spec import ConsensusProposer
 from consensus_spec.budget import COST_MODELS, DraftBudget, remember
 from tests.test_online_costs import Clock, Siblings, linear_truth
+from tests.test_online_costs import drive as online_drive
 
 K = 8
 
@@ -25,17 +26,9 @@ def gpu_truth(batch, drafted):
     return 20.0 + 0.05 * batch + 0.3 * drafted
 
 
-def drive(budget, truth, batch, steps, rng, noise=0.03):
+def drive(budget, truth, batch, steps, rng):
     """Synthetic steps through the budget, the guard fed every step too."""
-    for _ in range(steps):
-        budget.floor(batch)
-        first = rng.uniform(0.2, 0.95, batch)
-        probs = np.cumprod(np.tile(first[:, None], (1, K)), axis=1)
-        kept = budget(probs, np.full(batch, K, np.int64), batch)
-        drafted = int(kept.sum())
-        ms = truth(batch, drafted) * (1 + noise * rng.standard_normal())
-        budget.observe_step(batch, drafted, ms, 0.05)
-        budget.observe_throughput(batch + int(0.6 * drafted), ms / 1000.0)
+    online_drive(budget, truth, batch, steps, rng, throughput=True)
 
 
 def slope(budget, batch):

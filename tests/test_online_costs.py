@@ -17,9 +17,10 @@ def linear_truth(batch, drafted):
     return 5.0 + 0.8 * (batch + drafted)
 
 
-def drive(budget, truth, batch, steps, rng, noise=0.03, outlier_every=0):
+def drive(budget, truth, batch, steps, rng, noise=0.03, outlier_every=0, throughput=False):
     """Steps of synthetic drafts through the budget; each step's time from
-    ``truth`` (with relative noise, and a 10x outlier every ``outlier_every``)."""
+    ``truth`` (with relative noise, and a 10x outlier every ``outlier_every``);
+    ``throughput``: the guard is fed every step too."""
     for t in range(steps):
         budget.floor(batch)
         first = rng.uniform(0.2, 0.95, batch)
@@ -30,6 +31,8 @@ def drive(budget, truth, batch, steps, rng, noise=0.03, outlier_every=0):
         if outlier_every and t % outlier_every == outlier_every - 1:
             ms *= 10
         budget.observe_step(batch, drafted, ms, 0.05)
+        if throughput:
+            budget.observe_throughput(batch + int(0.6 * drafted), ms / 1000.0)
 
 
 def learned_slope(budget, batch):
