@@ -270,3 +270,23 @@ def test_warm_up_steps_leave_no_counts_behind():
     assert p.warmup_s > 0
     c = p.counters()
     assert c["num_drafted"] == 0 and c["num_accepted"] == 0 and c["paths_started"] == 0
+
+
+def test_counters_leave_the_engine_through_vllms_encoder_after_learning():
+    """``collective_rpc`` sends counters() through vLLM's msgpack encoder,
+    in the engine's output thread: a numpy scalar there raised, the thread
+    died and every request after it hung (CI saw it). After steps that
+    explore and run guard windows, every value is a plain Python one."""
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from tests.test_online_costs import drive
+
+    p = ConsensusProposer(stand_in_config(k=8, max_model_len=200, max_num_seqs=64,
+                                          options={"cost_model": "cpu_embedded", "warmup": False,
+                                                   "remember_costs": False}))
+    # a small batch whose drafts cost more than the prior says: a few steps explore
+    drive(p.budget, lambda b, m: 8.0 + 0.8 * m, 2, 300, np.random.default_rng(0), throughput=True)
+    assert p.budget.costs.steps_explored > 0  # the value that was a numpy scalar
+    counters = p.counters()
+    decoded = MsgpackDecoder().decode(MsgpackEncoder().encode(counters))
+    assert decoded["learning_cost"]["explored_steps"] == p.budget.costs.steps_explored

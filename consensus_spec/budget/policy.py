@@ -215,8 +215,8 @@ class DraftBudget:
                 if v_bound >= (1.0 - EXPLORE_LOSS) * v_out:
                     self.costs.steps_explored += 1
                     # tokens per ms short of the estimate's choice, over the step's time
-                    self.tokens_explore_lost += (v_out - v_bound) * table[min(int(bound.sum()),
-                                                                             len(table) - 1)]
+                    self.tokens_explore_lost += float((v_out - v_bound) * table[min(int(bound.sum()),
+                                                                                   len(table) - 1)])
                     return bound
         return out
 

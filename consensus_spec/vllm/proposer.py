@@ -40,6 +40,20 @@ from .rows import RowTracker
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handler and format
 
 
+def plain(value):
+    """``value`` with numpy scalars and arrays turned into Python numbers and
+    lists, through dicts, lists and tuples."""
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(plain(v) for v in value)
+    if isinstance(value, (np.generic, np.ndarray)):
+        return value.tolist()
+    return value
+
+
 LOG_EVERY_S = 300.0  # clock seconds between INFO lines on what the budget learned
 
 
@@ -280,7 +294,13 @@ class ConsensusProposer:
         return 100.0 * costs.steps_explored / max(costs.decisions, 1) if costs is not None else 0.0
 
     def counters(self) -> dict:
-        """The proposer's counters (cumulative over the engine's life)."""
+        """The proposer's counters (cumulative over the engine's life), in
+        plain Python types: they leave the engine through ``collective_rpc``,
+        whose msgpack encoder raises on a numpy scalar, and it raises in the
+        engine's output thread, which then dies and every request hangs."""
+        return plain(self._counters())
+
+    def _counters(self) -> dict:
         rows = self.rows
         return {
             "num_drafted": self.num_drafted, "num_accepted": self.num_accepted,
