@@ -1,9 +1,13 @@
-"""Command-line pieces the evals share."""
+"""Command-line pieces the evals share: argument sets, errors, trace sets and
+result files."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+
+from .traces import shared_path
 
 
 def parse_options(pairs: list[str]) -> dict:
@@ -21,6 +25,11 @@ def parse_options(pairs: list[str]) -> dict:
     return out
 
 
+def add_option_arg(ap, help: str = "consensus drafter option, e.g. min_prob=0.3 (repeatable)") -> None:
+    """``--option KEY=VALUE``, repeatable (:func:`parse_options` reads them)."""
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help=help)
+
+
 def add_trace_args(ap, defaults: str = "the shared traces") -> None:
     """``--traces``, ``--limit`` and ``--tokenizer``: the replays' trace sets."""
     ap.add_argument("--traces", nargs="+", help=f"trace files (default: {defaults})")
@@ -28,11 +37,31 @@ def add_trace_args(ap, defaults: str = "the shared traces") -> None:
     ap.add_argument("--tokenizer", help="tokenizer.json (default: shared GPT-2)")
 
 
+def trace_sets(traces: list[str] | None, defaults: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(set name, path) of each ``--traces`` file, else of the shared trace
+    files ``defaults``; the name is the file's without ``.jsonl``."""
+    paths = traces or [shared_path("traces", t) for t in defaults]
+    return [(os.path.basename(p).removesuffix(".jsonl"), p) for p in paths]
+
+
+def fail(error) -> int:
+    """A command's error: one ``error:`` line on stderr, exit status 2."""
+    print(f"error: {error}", file=sys.stderr)
+    return 2
+
+
 def write_json(path, payload, indent: int | None = 1, default=None) -> None:
     """``payload`` as JSON at ``path``, creating its folder."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(payload, f, indent=indent, default=default)
+
+
+def write_jsonl(path, rows) -> None:
+    """``rows`` as JSON lines at ``path``, creating its folder."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
 def write_results(out: str, payload: dict, table: str) -> None:

@@ -33,6 +33,11 @@ def shared_path(*parts: str) -> str:
     return os.path.normpath(os.path.join(SHARED_DATA, *parts))
 
 
+def max_len(problems: list[Problem], k: int) -> int:
+    """Tokens a replay row needs: the longest prompt + path, ``k`` drafts and 2."""
+    return max(len(p.prompt) + max(map(len, p.completions)) for p in problems) + k + 2
+
+
 class _Ids:
     def __init__(self, ids: list[int]):
         self.ids = ids

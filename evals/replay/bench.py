@@ -15,18 +15,13 @@ import time
 from tqdm import tqdm
 
 from ..options import parse_options
+from ..traces import max_len
 from .device_drafters import device_us_per_row
-from . import projection as startup
 from .drafters import DEVICE_METHODS, make_drafter, schedule_lookup
 from .engine import VirtualClock, replay
-from .projection import DEFAULT_COSTS, HostTime, StepCosts, break_even_host_ms
+from .projection import DEFAULT_COSTS, HostTime, StepCosts, break_even_host_ms, for_run
 
 DEFAULT_HOST_TIME = "results/host_time.jsonl"
-
-
-# ---------------------------------------------------------------------------
-# Schedules
-# ---------------------------------------------------------------------------
 
 
 def schedule_from_ks(ks: dict[int, int]) -> list[tuple[int, int, int]]:
@@ -71,20 +66,17 @@ def pick_schedule(rows: list[dict], key: str = "speedup") -> dict:
     return best
 
 
-# ---------------------------------------------------------------------------
-# Running
-# ---------------------------------------------------------------------------
-
-
 class CpuTimed:
     """A drafter wrapped to time each call in process CPU time, which other
-    processes on a shared machine do not inflate (replay() keeps wall time)."""
+    processes on a shared machine do not inflate (replay() keeps wall time);
+    with ``log``, each call's rows and the draft lengths it returned are noted."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, log: bool = False):
         self.fn = fn
         self.cpu_s = 0.0
         self.rows = 0
         self.per_call: list[float] = []
+        self.calls: list[list] | None = [] if log else None
 
     def __call__(self, sampled, batch):
         t0 = time.process_time()
@@ -93,6 +85,8 @@ class CpuTimed:
         self.cpu_s += dt
         self.rows += len(sampled)
         self.per_call.append(dt * 1e6 / max(len(sampled), 1))
+        if self.calls is not None:
+            self.calls.append([len(sampled), sorted({len(d) for d in out})])
         return out
 
     @property
@@ -103,19 +97,6 @@ class CpuTimed:
     def median_us_per_row(self) -> float:
         s = sorted(self.per_call)
         return s[len(s) // 2] if s else 0.0
-
-
-class CallLog:
-    """A drafter wrapped to note each call's rows and the draft lengths it returned."""
-
-    def __init__(self, fn):
-        self.fn = fn
-        self.calls: list[list] = []
-
-    def __call__(self, sampled, batch):
-        drafts = self.fn(sampled, batch)
-        self.calls.append([len(sampled), sorted({len(d) for d in drafts})])
-        return drafts
 
 
 class LearningTrace:
@@ -193,11 +174,10 @@ class Bench:
     def run(self, problems, name: str, method: str, batch: int, scouts: int = 0,
             schedule=None, suffix_options: dict | None = None, tag: str = "") -> dict:
         k = self.args.k
-        max_len = max(len(p.prompt) + max(map(len, p.completions)) for p in problems) + k + 2
 
         def build(clock, memory=None):
             options = {**self.options, **memory.options} if memory else self.options
-            return make_drafter(method, k, max_len, batch, options, schedule=schedule,
+            return make_drafter(method, k, max_len(problems, k), batch, options, schedule=schedule,
                                 suffix_options=suffix_options, clock=clock,
                                 model=memory.model if memory else None)
 
@@ -206,10 +186,9 @@ class Bench:
             replay(problems[:1], build(clock), method, k, batch, scouts, clock=clock)
             self.warmed.add(method)
         clock = self.clock(method)
-        memory = startup.for_run(self.args, self.costs, method, clock, name, batch, tag)
+        memory = for_run(self.args, self.costs, method, clock, name, batch, tag)
         inner = build(clock, memory)
-        log = CallLog(inner) if getattr(self.args, "step_log", False) else None
-        drafter = CpuTimed(log or inner)
+        drafter = CpuTimed(inner, log=getattr(self.args, "step_log", False))
         learning = LearningTrace(inner.proposer, self.costs) if clock is not None else None
         n_paths = sum(len(p.completions) for p in problems)
         desc = f"{name} B={batch} {method}{tag} S={scouts}"
@@ -232,8 +211,8 @@ class Bench:
                                                        "learning"))}
         if memory is not None:
             row["step_cost_memory"] = memory.finish(inner.proposer)
-        if log is not None:
-            row["calls"] = log.calls
+        if drafter.calls is not None:
+            row["calls"] = drafter.calls
             row["steps"] = [[b, m] for b, m in zip(stats.step_rows, stats.step_drafted)]
         if schedule is not None:
             row["schedule"] = [list(e) for e in schedule]
@@ -259,6 +238,15 @@ class Bench:
                     row.update(k=k, params=params, sweep=True)
                     rows.append(row)
         return rows
+
+
+def add_table_args(ap) -> None:
+    """``--costs`` and ``--host-time``: the tables :func:`load_tables` reads."""
+    ap.add_argument("--costs", default=DEFAULT_COSTS, help="step-cost table ({\"B\", \"q\", \"ms\"} JSONL)")
+    ap.add_argument("--host-time", default=DEFAULT_HOST_TIME,
+                    help="host ms per step by batch size ({\"B\", \"host_ms\"} JSONL from "
+                         "`python -m evals host-time`) for the async-aware projection; "
+                         "'none' to leave that view out")
 
 
 def load_tables(args, quiet: bool = False) -> tuple[StepCosts | None, HostTime | None]:

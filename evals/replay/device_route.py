@@ -112,12 +112,11 @@ def host_bench(traces: str, rows: int, k: int, lag: int, limit: int, repeats: in
     wall time (median, mean)."""
     from consensus_spec.drafting.drafter import DrafterOptions
 
-    from ..traces import load_problems, load_tokenizer
+    from ..traces import load_problems, load_tokenizer, max_len
     from .device_drafters import DeviceRouteDrafter
     from .engine import replay
 
     problems = load_problems(traces, load_tokenizer(tokenizer), limit=limit)
-    max_len = max(len(p.prompt) + max(map(len, p.completions)) for p in problems) + k + 2
     out = []
     for r in range(repeats + 1):  # the first run compiles and warms up: not reported
         timed = HostTimed(DeviceRouteDrafter(lag, lambda n: k, DrafterOptions()), lag)
@@ -126,7 +125,7 @@ def host_bench(traces: str, rows: int, k: int, lag: int, limit: int, repeats: in
             continue
         feed, delta = np.array(timed.feed_s) * 1e6, np.array(timed.delta_s) * 1e6
         both, wall = feed + delta, np.array(timed.wall_s) * 1e6
-        out.append({"rows": rows, "k": k, "lag": lag, "calls": len(both), "max_len": max_len,
+        out.append({"rows": rows, "k": k, "lag": lag, "calls": len(both), "max_len": max_len(problems, k),
                     "host_us_median": float(np.median(both)), "host_us_p90": float(np.percentile(both, 90)),
                     "host_us_mean": float(both.mean()), "wall_us_median": float(np.median(wall)),
                     "wall_us_mean": float(wall.mean()), "feed_us_median": float(np.median(feed)),
@@ -164,7 +163,3 @@ def main(argv=None) -> int:
              and not os.path.exists(args.costs) else StepCosts.load(args.costs))
     print(table(results) + "\n\n" + table_costs(results, costs))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

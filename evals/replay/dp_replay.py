@@ -24,16 +24,14 @@ row-step over all engines, as in ``python -m evals replay``.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from dataclasses import replace
 
 from consensus_spec.sampling.routing import data_parallel_rank
 
+from ..options import add_option_arg, add_trace_args, fail, parse_options, trace_sets, write_results
+from ..traces import Problem, TraceError, load_problems, load_tokenizer, max_len
 from .drafters import make_drafter
 from .engine import replay
-from ..options import add_trace_args, parse_options, write_results
-from ..traces import Problem, TraceError, load_problems, load_tokenizer, shared_path
 
 DEFAULT_TRACES = ("gsm8k_qwen3_4b_n8.jsonl", "addsub_codex002_n40.jsonl", "svamp_pot_codex002_n30.jsonl")
 ROUTINGS = ("round_robin", "pinned")
@@ -63,7 +61,7 @@ def route(problems: list[Problem], dp: int, routing: str) -> list[list[Problem]]
 
 
 def replay_dp(problems: list[Problem], method: str, k: int, rows: int, dp: int, routing: str,
-              max_len: int, options: dict | None = None) -> dict:
+              length: int, options: dict | None = None) -> dict:
     """Replay the D engines one after another; totals over engines."""
     per_engine = rows // dp
     if per_engine < 1:
@@ -75,7 +73,7 @@ def replay_dp(problems: list[Problem], method: str, k: int, rows: int, dp: int, 
         loads.append(sum(len(p.completions) for p in share))
         if not share:
             continue
-        stats = replay(share, make_drafter(method, k, max_len, per_engine, options),
+        stats = replay(share, make_drafter(method, k, length, per_engine, options),
                        method, k, per_engine)
         for key in totals:
             totals[key] += getattr(stats, key)
@@ -96,8 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dp", type=int, nargs="+", default=[1, 2, 8], help="engine counts D")
     ap.add_argument("--rows", type=int, default=64, help="total batch rows, split over D engines")
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
-    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                    help="consensus drafter option, e.g. cost_model=off (repeatable)")
+    add_option_arg(ap, "consensus drafter option, e.g. cost_model=off (repeatable)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the one-engine@rows/D runs")
     ap.add_argument("--out", default="results/dp_replay", help="output prefix (.json and .md)")
     args = ap.parse_args(argv)
@@ -114,10 +111,9 @@ def run(args, log=print) -> list[dict]:
     tokenizer = load_tokenizer(args.tokenizer)
     options = parse_options(args.option)
     results = []
-    for path in args.traces or [shared_path("traces", t) for t in DEFAULT_TRACES]:
+    for name, path in trace_sets(args.traces, DEFAULT_TRACES):
         problems = load_problems(path, tokenizer, limit=args.limit)
-        name = os.path.basename(path).removesuffix(".jsonl")
-        max_len = max(len(p.prompt) + max(map(len, p.completions)) for p in problems) + args.k + 2
+        length = max_len(problems, args.k)
         for method in args.methods:
             for dp in args.dp:
                 row = {"traces": name, "problems": len(problems), "method": method, "dp": dp,
@@ -126,7 +122,7 @@ def run(args, log=print) -> list[dict]:
                     if dp == 1 and routing != ROUTINGS[0]:
                         row[routing] = row[ROUTINGS[0]]  # one engine: routing changes nothing
                         continue
-                    r = replay_dp(problems, method, args.k, args.rows, dp, routing, max_len, options)
+                    r = replay_dp(problems, method, args.k, args.rows, dp, routing, length, options)
                     row[routing] = r["tau"]
                     row[f"{routing}_acceptance"] = r["acceptance"]
                     row[f"{routing}_load_max_over_mean"] = r["load_max_over_mean"]
@@ -138,7 +134,7 @@ def run(args, log=print) -> list[dict]:
                     row["one_engine_rows_per_engine"] = (
                         row[ROUTINGS[0]] if dp == 1 else
                         replay_dp(problems, method, args.k, args.rows // dp, 1, "pinned",
-                                  max_len, options)["tau"])
+                                  length, options)["tau"])
                 log(f"{name} {method} D={dp}: " + ", ".join(
                     f"{key}={row[key]:.3f}" for key in (*ROUTINGS, "one_engine_rows_per_engine")
                     if key in row))
@@ -164,17 +160,10 @@ def main(argv=None) -> int:
     try:
         results = run(args)
     except (TraceError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     except ImportError as e:
-        print(f"error: {e}. The suffix baseline needs arctic-inference; "
-              "pass --methods consensus to skip it.", file=sys.stderr)
-        return 2
+        return fail(f"{e}. The suffix baseline needs arctic-inference; pass --methods consensus to skip it.")
     table = markdown(results, args.rows)
     print(table)
     write_results(args.out, {"args": vars(args), "results": results}, table)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -67,6 +67,17 @@ def stand_in_config(k: int, max_model_len: int, max_num_seqs: int, **spec) -> Si
     )
 
 
+MACHINE = "replay"  # the device name a replay's step-cost memory is kept under
+
+
+def name_machine(cfg, model: str) -> None:
+    """Give a stand-in config what the proposer's step-cost memory keys on."""
+    cfg.model_config.model = model
+    cfg.model_config.dtype = MACHINE
+    cfg.parallel_config.data_parallel_size = 1
+    cfg.device_config = SimpleNamespace(device_type="cuda", device_name=MACHINE)
+
+
 def schedule_lookup(schedule, max_num_seqs: int, k: int) -> list[int]:
     """vLLM's dense batch size -> k table for a ``num_speculative_tokens_per_batch_size``
     schedule (vLLM's own function: k capped at ``num_speculative_tokens``, gaps
@@ -183,7 +194,7 @@ def make_drafter(method: str, k: int, max_model_len: int, max_num_seqs: int,
     learn step costs (a :class:`evals.replay.engine.VirtualClock`); without one a
     replay has no step times, so its budget keeps the fixed cost model.
     ``model``: the machine's name where consensus remembers its step costs
-    (:mod:`evals.replay.startup`).
+    (:class:`evals.replay.projection.StartupCosts`).
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
@@ -192,7 +203,6 @@ def make_drafter(method: str, k: int, max_model_len: int, max_num_seqs: int,
                          f"only, not to {method!r}")
     cfg = stand_in_config(k, max_model_len, max_num_seqs, **(suffix_options or {}))
     if model is not None:
-        from .projection import name_machine
         name_machine(cfg, model)
     k_at = _scheduled_k(k, max_num_seqs, schedule)
     if method == "none":

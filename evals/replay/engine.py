@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from ..traces import Problem
+from ..traces import Problem, max_len
 
 
 @dataclass
@@ -169,8 +169,7 @@ def replay(problems: list[Problem], drafter, method: str, k: int, max_rows: int,
     (the drafter must already read it)."""
     if max_rows < 1 or k < 0:
         raise ValueError("need max_rows >= 1 and k >= 0")
-    max_len = max(len(p.prompt) + max(map(len, p.completions)) for p in problems) + k + 2
-    batch = ReplayBatch(max_rows, max_len)
+    batch = ReplayBatch(max_rows, max_len(problems, k))
     stats = ReplayStats(method, scouts)
     admission = admission or _Admission(problems, scouts)
     rows: list[_Row] = []

@@ -20,16 +20,15 @@ Three runs of the same traces, side by side:
 from __future__ import annotations
 
 import argparse
-import sys
 
 import numpy as np
 
 from consensus_spec import ConsensusProposer
 
-from ..options import write_json
+from ..options import fail, write_json
+from ..traces import TraceError, load_problems, load_tokenizer, max_len, shared_path
 from .drafters import stand_in_config
 from .engine import replay
-from ..traces import TraceError, load_problems, load_tokenizer, shared_path
 
 KINDS = ("negative_ids", "huge_ids", "past_buffer", "ragged")
 
@@ -68,8 +67,7 @@ WINDOW, WINDOWS = 10, 5  # recovery: 10-step windows, the first 50 steps after a
 
 
 def run(problems, batch: int, k: int, every: int, seed: int = 0):
-    max_len = max(len(p.prompt) + max(map(len, p.completions)) for p in problems) + k + 2
-    cfg = stand_in_config(k, max_len, batch)
+    cfg = stand_in_config(k, max_len(problems, k), batch)
     result = {}
     curves = {}
     for label in ("clean", "corrupted", "reset"):
@@ -146,8 +144,7 @@ def main(argv=None) -> int:
     try:
         problems = load_problems(args.traces, load_tokenizer(args.tokenizer), limit=args.limit)
     except (TraceError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     r = run(problems, args.batch, args.k, args.every)
     print("| run | propose calls | faulty calls | escaped exceptions | wrong-shape returns | "
           "rows rejected | failed steps | resets (regrouped) | tau |\n|---|---|---|---|---|---|---|---|---|")
@@ -166,7 +163,3 @@ def main(argv=None) -> int:
         write_json(args.out, r)
     bad = any(r[x]["escaped"] or r[x]["wrong_shape"] for x in ("corrupted", "reset"))
     return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -27,11 +27,11 @@ import os
 import shutil
 import tempfile
 import zlib
-from types import SimpleNamespace
 
 import numpy as np
 
 from ..traces import shared_path
+from .drafters import MACHINE, name_machine, stand_in_config
 
 # the measured H200 table (../shared); a clone without it projects on the budget's model of it
 DEFAULT_COSTS = shared_path("costs", "h200_qwen2.5-7b_step_ms.jsonl")
@@ -206,36 +206,12 @@ def run_ms(costs: StepCosts, step_rows, step_drafted, drafter_ms=None,
     return total
 
 
-# -- the start-up profile emulated (replay --startup-profile, --save-costs, --costs-from)
-# Replay from a measured prior: the start-up profile emulated, and a run
-# starting from what an earlier one remembered.
-#
-# ``--startup-profile NOISE``: each consensus run starts from the table a
-# start-up profile would time: the truth (``--costs``, as the replay's clock
-# reads it) at every bucket's batch size from 1 to the run's rows and at
-# q = 1, 2, 3, 5, 9, each point times (1 + NOISE * a standard normal draw,
-# seeded per run): measurement noise of relative sd NOISE. Its prior model is
-# the roofline fitted to those points.
-#
-# ``--save-costs DIR``: after each consensus run, what its proposer remembers
-# (its own save, through ``remember_costs``) is kept as DIR/SET_B<rows>.json.
-# ``--costs-from DIR``: each consensus run starts from DIR/SET_B<rows>.json
-# (an earlier run's ``--save-costs``), as an engine restarted on the same
-# machine would.
-#
-# The proposer loads and saves through its real path (``CostMemory``): the
-# replay only names a machine (``name_machine``) and a temporary folder per run.
-
-
-MACHINE = "replay"
-
-
-def name_machine(cfg, model: str) -> None:
-    """Give a stand-in config what the proposer's step-cost memory keys on."""
-    cfg.model_config.model = model
-    cfg.model_config.dtype = MACHINE
-    cfg.parallel_config.data_parallel_size = 1
-    cfg.device_config = SimpleNamespace(device_type="cuda", device_name=MACHINE)
+# -- the start-up profile emulated (replay --startup-profile, --save-costs, --costs-from; their
+# --help says what each does).  A profile times the truth (``--costs``, as the replay's clock
+# reads it) at every bucket's batch size up to the run's rows and at q = 1, 2, 3, 5, 9, each
+# point times (1 + NOISE * a standard normal draw, seeded per run); its prior is the roofline
+# fitted to those points.  The proposer loads and saves through its real path (``CostMemory``):
+# the replay only names a machine (``name_machine``) and a temporary folder per run.
 
 
 def profile_rows(truth, max_rows: int, noise: float, rng) -> list[dict]:
@@ -261,8 +237,6 @@ class StartupCosts:
     def __init__(self, args, truth, name: str, batch: int, tag: str = ""):
         from consensus_spec.budget import StepCostModel, remember
         from consensus_spec.vllm.memory import machine_key
-
-        from .drafters import stand_in_config
 
         self.args, self.cell = args, f"{name}_B{batch}"
         self.model = f"{MACHINE}:{os.path.basename(args.costs)}"

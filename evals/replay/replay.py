@@ -5,20 +5,15 @@
                            [--host-time results/host_time.jsonl] [--repeats 2]
     python -m evals replay --from-json results/replay.json --host-time OTHER.jsonl
 
-Methods (see ``evals/replay/drafters.py``): no drafting; vLLM's ngram and suffix,
-each under the best ``num_speculative_tokens_per_batch_size`` schedule a
-sweep over k finds (``--schedules sweep``: per trace set, on its first
-``--tune-limit`` problems, k in ``--sweep-k`` at each batch size; then every
-method runs on the whole set) or at k everywhere (``fixed``); suffix with its
-drafts cut by this project's batch-aware budget; consensus with the budget
-off (the drafter alone); consensus.
-
-Each figure is a projected H200 decode speedup over no drafting, from the
-measured step-cost table (``--costs``), τ and drafts per row-step from the
-replay, and the drafter's CPU time per step measured here: a projection, not
-a GPU measurement. Two views (``evals/replay/projection.py``): async-unaware (host
-time left out) and async-aware (no drafting keeps async scheduling and hides
-the host time of ``--host-time``; drafting engines pay it serially).
+The methods are ``evals/replay/drafters.py``'s. ngram and suffix run under the
+best ``num_speculative_tokens_per_batch_size`` schedule a sweep over k finds
+(``--schedules sweep``: per trace set, on its first ``--tune-limit``
+problems, k in ``--sweep-k`` at each batch size; then every method runs on
+the whole set) or at k everywhere (``fixed``).  Each figure is a projected
+H200 decode speedup over no drafting, async-unaware and async-aware
+(``evals/replay/projection.py``), from the measured step-cost table, τ and
+drafts per row-step from the replay and the drafter's CPU time measured
+here: a projection, not a GPU measurement.
 
 Prints one markdown table per trace set and writes them, the sweep and every
 figure to ``--out``.md/.json.
@@ -28,16 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 
-from .bench import DEFAULT_HOST_TIME, Bench, load_tables, pick_schedule
-from .projection import DEFAULT_COSTS
+from ..options import add_option_arg, add_trace_args, fail, trace_sets, write_results
+from ..traces import TraceError, load_problems, load_tokenizer
+from .bench import Bench, add_table_args, load_tables, pick_schedule
 from .drafters import DEVICE_METHODS, METHODS, SCHEDULABLE
 from .report import markdown, sweep_markdown, targets
-from ..options import add_trace_args, write_results
-from ..traces import TraceError, load_problems, load_tokenizer, shared_path
 
 DEFAULT_TRACES = ("addsub_codex002_n40.jsonl", "gsm8k_qwen3_4b_n8.jsonl", "svamp_pot_codex002_n30.jsonl")
 PROJECTED_BATCHES = (16, 64, 128)
@@ -53,11 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--scouts", type=int, nargs="+", default=[0], help="scout counts to run")
     ap.add_argument("--batches", type=int, nargs="+", default=list(PROJECTED_BATCHES),
                     help="batch sizes (rows) to replay at; each is projected at its own size")
-    ap.add_argument("--costs", default=DEFAULT_COSTS)
-    ap.add_argument("--host-time", default=DEFAULT_HOST_TIME,
-                    help="host ms per step by batch size ({\"B\", \"host_ms\"} JSONL from "
-                         "`python -m evals host-time`) for the async-aware projection; "
-                         "'none' to leave that view out")
+    add_table_args(ap)
     ap.add_argument("--schedules", choices=("sweep", "fixed"), default="sweep",
                     help="ngram/suffix k per batch size: the best of a sweep, or --k everywhere")
     ap.add_argument("--schedule", nargs="+", metavar="LO-HI:K",
@@ -75,8 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=2,
                     help="runs of the consensus methods at --repeat-batches (spread of drafter time)")
     ap.add_argument("--repeat-batches", type=int, nargs="+", default=[128])
-    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                    help="consensus drafter option, e.g. min_prob=0.3 (repeatable)")
+    add_option_arg(ap)
     ap.add_argument("--admission", choices=("refill", "fixed"), default="refill",
                     help="refill: a path enters as soon as a row is free (default); fixed: RL rollout "
                          "batches of --batches rows, admitted whole, run to the last token, no refill "
@@ -96,7 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "drives (the prior is its cost_model option); off: fixed cost model")
     ap.add_argument("--startup-profile", type=float, metavar="NOISE",
                     help="consensus starts each run from an emulated start-up profile: the --costs "
-                         "table timed with relative noise NOISE (evals/replay/startup.py)")
+                         "table timed with relative noise NOISE (evals/replay/projection.py)")
     ap.add_argument("--profile-seed", type=int, default=0, help="seed of the profile's noise")
     ap.add_argument("--save-costs", metavar="DIR",
                     help="keep each consensus run's remembered step costs as DIR/SET_B<rows>.json")
@@ -180,9 +167,8 @@ def run(args) -> tuple[list[dict], list[dict], dict]:
     costs, host = load_tables(args)
     bench = Bench(args, costs, host)
     results, sweeps, tuned = [], [], {}
-    for path in args.traces or [shared_path("traces", t) for t in DEFAULT_TRACES]:
+    for name, path in trace_sets(args.traces, DEFAULT_TRACES):
         problems = load_problems(path, tokenizer, limit=args.limit)
-        name = os.path.basename(path).removesuffix(".jsonl")
         tuned[name] = {}
         if args.schedules == "sweep" and costs is not None and args.schedule is None:
             tune = problems[:args.tune_limit]
@@ -199,18 +185,17 @@ def run(args) -> tuple[list[dict], list[dict], dict]:
                     if scouts and method == "none":
                         continue  # scouts change nothing without drafting
                     pick = tuned[name].get(method)
-                    repeats = (args.repeats if method.startswith("consensus")
-                               and batch in args.repeat_batches else 1)
+                    schedule, params = ((pick["schedule"], pick["params"] or None) if pick
+                                        else (args.schedule, None))
                     if args.admission == "fixed":
                         from ..rollout.replay_fixed import run_fixed
                         results.append(run_fixed(bench, problems, name, method, batch, args.group,
-                                                 pick["schedule"] if pick else args.schedule,
-                                                 (pick["params"] or None) if pick else None))
+                                                 schedule, params))
                         continue
+                    repeats = (args.repeats if method.startswith("consensus")
+                               and batch in args.repeat_batches else 1)
                     for i in range(repeats):
-                        row = bench.run(problems, name, method, batch, scouts,
-                                        pick["schedule"] if pick else args.schedule,
-                                        (pick["params"] or None) if pick else None,
+                        row = bench.run(problems, name, method, batch, scouts, schedule, params,
                                         tag=f" run {i + 1}" if repeats > 1 else "")
                         row["run"] = i
                         if pick:
@@ -240,13 +225,11 @@ def main(argv=None) -> int:
             reference.append(cpu_reference_s())
         host = load_tables(args, quiet=True)[1]
     except (TraceError, FileNotFoundError, ValueError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     except ImportError as e:
-        print(f"error: {e}. The ngram/suffix baselines need vLLM (and arctic-inference for suffix); "
-              "install with `pip install -e .[cpu,bench]` or pass --methods consensus none.", file=sys.stderr)
-        return 2
-    if getattr(args, "admission", "refill") == "fixed":
+        return fail(f"{e}. The ngram/suffix baselines need vLLM (and arctic-inference for suffix); "
+                    "install with `pip install -e .[cpu,bench]` or pass --methods consensus none.")
+    if args.admission == "fixed":
         from ..rollout.replay_fixed import markdown as fixed_markdown
         table, checks = fixed_markdown(results), []
     else:

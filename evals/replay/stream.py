@@ -27,11 +27,11 @@ import numpy as np
 
 from consensus_spec import DrafterOptions
 
-from ..options import write_json
+from ..options import fail, trace_sets, write_json
+from ..traces import Problem, TraceError, load_problems, load_tokenizer, max_len
 from .drafters import make_drafter
 from .engine import replay
 from .replay import DEFAULT_TRACES
-from ..traces import Problem, TraceError, load_problems, load_tokenizer, shared_path
 
 PASS_TOKEN = 50257  # first id past GPT-2's vocabulary: pass p's prompts start with PASS_TOKEN + p
 MAX_DROP = 0.05     # allowed tau drop after an eviction
@@ -179,12 +179,12 @@ def produced(problem: Problem) -> int:
 def run(args) -> dict:
     tokenizer = load_tokenizer(args.tokenizer)
     problems: list[Problem] = []
-    for path in args.traces or [shared_path("traces", t) for t in DEFAULT_TRACES]:
+    for _, path in trace_sets(args.traces, DEFAULT_TRACES):
         problems += load_problems(path, tokenizer)
     per_pass = sum(map(produced, problems))
-    max_len = max(len(p.prompt) + max(map(len, p.completions)) for p in problems) + 1 + args.k + 2
     options = {"max_trie_nodes": args.max_trie_nodes}
-    drafter = make_drafter("consensus", args.k, max_len, args.rows, options)
+    # + 1: each pass puts its own token before every prompt
+    drafter = make_drafter("consensus", args.k, max_len(problems, args.k + 1), args.rows, options)
     proposer = drafter.proposer  # the ConsensusProposer it calls
     rss0 = rss_mb()
     monitor = Monitor(proposer, args.window)
@@ -302,14 +302,9 @@ def main(argv=None) -> int:
     try:
         result = run(args)
     except (TraceError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     print(markdown(result))
     if args.out:
         write_json(args.out, result)
         print(f"wrote {args.out}")
     return 0 if result["summary"]["check_passed"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
