@@ -16,7 +16,6 @@ from consensus_spec.sampling.stopping import should_stop_ids, tally
 from consensus_spec.voting.answers import answers_equal, extract_answer
 from consensus_spec.voting.vote import cluster_answers
 
-SKIP: dict[str, str] = {}  # none: program-of-thought answers are folded statically (program_answer)
 MAX_PROGRAM_CHARS, MAX_MAGNITUDE = 4000, 10 ** 30
 _FOLD_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
              ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}

@@ -37,14 +37,13 @@ import time
 from collections import deque
 from dataclasses import replace
 
-from ..options import add_trace_args, parse_options, write_results
+from ..options import add_option_arg, add_trace_args, fail, parse_options, trace_sets, write_results
+from ..replay.bench import CpuTimed, add_table_args, load_tables
 from ..replay.drafters import make_drafter
-from ..replay.projection import run_ms
 from ..replay.engine import replay
-from ..replay.bench import CpuTimed, DEFAULT_HOST_TIME, load_tables
-from ..replay.projection import DEFAULT_COSTS
-from .vote_traces import SKIP, load_vote_traces, path_planner, winner
-from ..traces import Problem, TraceError, load_problems, load_tokenizer, shared_path
+from ..replay.projection import run_ms
+from ..traces import Problem, TraceError, load_problems, load_tokenizer, max_len
+from .vote_traces import load_vote_traces, path_planner, winner
 
 DEFAULT_TRACES = ("gsm8k_qwen3_4b_n8.jsonl", "addsub_codex002_n40.jsonl")
 METHODS = ("none", "consensus")
@@ -106,8 +105,7 @@ def shuffled(problems: list[Problem], ids, order: int):
 def run_one(problems, ids, correct, n, method, schedule, rule, args, options):
     """One replay; returns a result row (projection added by the caller)."""
     planner = path_planner(len(problems), n, schedule, rule)
-    max_len = max(len(p.prompt) + max(map(len, p.completions)) for p in problems) + args.k + 2
-    drafter = CpuTimed(make_drafter(method, args.k, max_len, args.rows, options))
+    drafter = CpuTimed(make_drafter(method, args.k, max_len(problems, args.k), args.rows, options))
     t0 = time.perf_counter()
     stats = replay(problems, drafter, method, args.k, args.rows, admission=WaveAdmission(planner, ids))
     wall = time.perf_counter() - t0
@@ -130,7 +128,8 @@ def run_one(problems, ids, correct, n, method, schedule, rule, args, options):
         "aborted_tokens": stats.aborted_tokens,
         "tokens": tokens, "tokens_share": tokens / total_tokens, "agreement": agree / len(problems),
         "gold_maj": right / len(problems) if any(c is not None for c in correct) else None,
-        "steps": steps, "row_steps": sum(stats.step_rows), "drafted": stats.drafted, "batch_fill": sum(stats.step_rows) / max(steps, 1) / args.rows,
+        "steps": steps, "row_steps": sum(stats.step_rows), "drafted": stats.drafted,
+        "batch_fill": sum(stats.step_rows) / max(steps, 1) / args.rows,
         "schedule": schedule.describe(), "tau": stats.tau, "drafts_per_step": stats.drafts_per_step,
         "cpu_us_per_row": drafter.us_per_row, "replay_wall_s": wall,
         "_steps": (stats.step_rows, stats.step_drafted, drafter_ms),
@@ -159,11 +158,8 @@ def parse_args(argv=None):
                     help="Schedule.fill_idle: idle rows start later waves early at the tail")
     ap.add_argument("--orders", type=int, default=3, help="path orders: recorded + seeded shuffles")
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
-    ap.add_argument("--costs", default=DEFAULT_COSTS)
-    ap.add_argument("--host-time", default=DEFAULT_HOST_TIME,
-                    help="host ms per step (python -m evals host-time); 'none' to leave it out")
-    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                    help="consensus drafter option (repeatable)")
+    add_table_args(ap)
+    add_option_arg(ap)
     ap.add_argument("--out", default="results/waves", help="output prefix (.json, .md and .png)")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
@@ -196,11 +192,7 @@ def run(args) -> list[dict]:
         raise FileNotFoundError(f"step-cost table not found: {args.costs}")
     options = parse_options(args.option)
     out = []
-    for path in args.traces or [shared_path("traces", t) for t in DEFAULT_TRACES]:
-        name = os.path.basename(path)
-        if name in SKIP:
-            print(f"{name}: skipped: {SKIP[name]}", file=sys.stderr)
-            continue
+    for name, path in trace_sets(args.traces, DEFAULT_TRACES):
         problems, ids, correct, n = paired_sets(path, tokenizer, args.limit)
         plain = configs(args)[0][0]  # load compiled code before anything is timed
         run_one(problems[:1], ids[:1], correct[:1], n, "consensus", plain, None, args, options)
@@ -208,7 +200,7 @@ def run(args) -> list[dict]:
             probs, order_ids = shuffled(problems, ids, order)
             for schedule, rule, method in configs(args):
                 row = run_one(probs, order_ids, correct, n, method, schedule, rule, args, options)
-                row.update(traces=name.removesuffix(".jsonl"), order=order, rows=args.rows)
+                row.update(traces=name, order=order, rows=args.rows)
                 project(row, costs, host)
                 print(f"  {row['traces']} order {order} {method} waves={row['waves']} "
                       f"es={row['early_stop']}: tau {row['tau']:.2f}, tokens {row['tokens_share']:.3f}, "
@@ -308,8 +300,7 @@ def main(argv=None) -> int:
         rows = run(args)
         host = load_tables(args, quiet=True)[1]
     except (TraceError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     table = markdown(rows, args, host)
     print(table)
     saved = {k: v for k, v in vars(args).items() if k not in ("schedules", "rules")}
@@ -317,7 +308,3 @@ def main(argv=None) -> int:
     if not args.no_plot and plot(rows, args.out + ".png"):
         print(f"wrote {args.out}.png")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

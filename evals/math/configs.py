@@ -10,6 +10,12 @@ import sys
 DEFAULT_MAX_TOKENS = {"synthetic": 256, "math": 1024}
 
 
+def max_tokens(args, problems) -> int:
+    """``--max-tokens``, else the default for the problems' kind."""
+    kind = "synthetic" if all(p.kind == "synthetic" for p in problems) else "math"
+    return args.max_tokens or DEFAULT_MAX_TOKENS[kind]
+
+
 class UsageError(Exception):
     """Bad command line: reported as one ``error:`` line, exit code 2."""
 

@@ -12,16 +12,22 @@ from ..options import parse_options
 from .configs import UsageError
 
 
-def add_sampling_args(ap: argparse.ArgumentParser) -> None:
-    """How each path is sampled (``math`` and ``record`` alike)."""
+def add_run_args(ap: argparse.ArgumentParser) -> None:
+    """What ``math`` and ``record`` share: the problems, the model, how each
+    path is sampled, and the engine's settings (:func:`build_llm` reads them)."""
+    ap.add_argument("--limit", type=int, help="first N problems")
+    ap.add_argument("--model", help="model directory or hub id (default: the embedded model)")
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--max-tokens", type=int,
                     help="tokens per sample (default 256 for synthetic, else 1024)")
+    ap.add_argument("--seed", type=int, default=0, help="engine seed")
+    add_engine_args(ap)
+    ap.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
 
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
-    """The engine settings :func:`build_llm` reads (``record`` shares them)."""
+    """The engine settings :func:`build_llm` reads (``rollout`` shares them)."""
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.25,
                     help="vLLM memory share (on CPU it sizes the KV cache in RAM)")
     ap.add_argument("--dtype", default="auto", help="model dtype (float32 is safest on CPU)")
@@ -32,8 +38,17 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                          "budget's H200 cost model was fitted to)")
 
 
-def check_engine_args(args) -> None:
-    """The checks of :func:`add_engine_args`' settings that need no engine."""
+def check_run_args(args, positive: tuple[str, ...]) -> None:
+    """The checks of :func:`add_run_args`' settings, ``--n`` and ``positive``
+    (options that must be >= 1 where given) that need no engine."""
+    for name in ("n", *positive, "max_tokens", "max_num_seqs"):
+        value = getattr(args, name)
+        if any(v is not None and v < 1 for v in (value if isinstance(value, list) else [value])):
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.temperature < 0:
+        raise UsageError("--temperature must be >= 0")
+    if not 0 < args.top_p <= 1:
+        raise UsageError("--top-p must be in (0, 1]")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise UsageError("--gpu-memory-utilization must be in (0, 1]")
     if args.max_model_len is not None and args.max_model_len < 16:
@@ -76,6 +91,30 @@ def resolve_model(model: str | None) -> str:
     if hub_like:
         return model  # a Hugging Face hub id; vLLM downloads it (needs internet)
     raise UsageError(f"model directory not found: {model}")
+
+
+def load_run(args) -> list:
+    """The problems of ``--dataset`` (``--limit``), with ``args.model``
+    resolved in between (a dataset name or file is checked first, cheaply)."""
+    from .datasets import DatasetError, load_problems, resolve
+    try:
+        resolve(args.dataset)
+        args.model = resolve_model(args.model)
+        return load_problems(args.dataset, args.limit)
+    except DatasetError as e:
+        raise UsageError(str(e))
+
+
+def engine_env(verbose: bool) -> bool:
+    """vLLM's logs at WARNING (unless ``verbose``), and on a CPU the engine in
+    this process: on a few cores a separate engine process mostly competes
+    for them.  True where this call put it in this process."""
+    if not verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    in_process = on_cpu() and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
+    if in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return in_process
 
 
 def spec_config(method: str, args) -> dict | None:

