@@ -131,7 +131,3 @@ def main(argv=None) -> int:
                       f"({full_maj:.3f}) |")
         sys.stdout.flush()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -29,6 +29,8 @@ import zipfile
 
 from consensus_spec.vllm.assumptions import ASSUMPTIONS, CHECKED_VERSIONS, Assumption
 
+from ..options import fail
+
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "consensus_spec", "vllm-wheels")
 
 
@@ -304,12 +306,7 @@ def main(argv=None) -> int:
                 raise FileNotFoundError(f"--source {args.source}: no such file or folder")
             src = Source(args.source, args.source)
     except (FileNotFoundError, zipfile.BadZipFile) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     lines, ok = report(src)
     print("\n".join(lines))
     return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -23,6 +23,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from ..options import fail
+
 
 @dataclass(frozen=True)
 class Source:
@@ -168,11 +170,6 @@ def main(argv=None) -> int:
     try:
         path = fetch(args.name, args.out, log=lambda m: print(m, file=sys.stderr))
     except FetchError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     print(path)  # last stdout line: scripts take it with | tail -1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -33,8 +33,9 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
+
+from ..options import fail
 
 # Qwen2.5-7B (hidden, q/k/v out, intermediate, layers) and the H200 table's
 # gemm_ms at (B, q) (../shared/data/costs/h200_qwen2.5-7b_step_ms.jsonl)
@@ -42,7 +43,6 @@ SHAPE_7B = (3584, 4608, 18944, 28)
 SHAPE_TOY = (64, 96, 128, 2)
 TABLE_GEMM_MS = {(64, 1): 4.523, (64, 2): 4.8096, (64, 3): 7.9145, (64, 5): 7.7918,
                  (128, 1): 4.813, (128, 2): 6.2994, (128, 3): 9.3552, (128, 5): 13.3933}
-TABLE_STEP_MS = {(16, 7): 5.1, (128, 2): 8.05}  # T(B, 1 + K) at the chosen K (docs/async.md)
 
 
 class Gemms:
@@ -83,7 +83,7 @@ def _time_ms(torch, device, fn, reps: int) -> list[float]:
     return out
 
 
-def check_gather(torch, device, toy: bool, emit) -> None:
+def check_gather(torch, device, gemms, toy: bool, emit) -> None:  # no GEMMs: the table alone
     from consensus_spec.device_route.table import ContextTable
 
     sizes = (2_000, 10_000) if toy else (100_000, 600_000, 4_000_000)
@@ -128,11 +128,6 @@ def check_gather(torch, device, toy: bool, emit) -> None:
                 emit(rec)
 
 
-def _copies(torch, device, pin, sizes_bytes):
-    return [(torch.empty(s // 4, dtype=torch.int32, pin_memory=pin),
-             torch.empty(s // 4, dtype=torch.int32, device=device)) for s in sizes_bytes]
-
-
 def check_overlap(torch, device, gemms, toy: bool, emit) -> None:
     cuda = device.type == "cuda"
     steps = 5 if toy else 200
@@ -141,7 +136,8 @@ def check_overlap(torch, device, gemms, toy: bool, emit) -> None:
         x = gemms.input(b * q)
         base = _time_ms(torch, device, lambda: [gemms.step(x) for _ in range(steps)], 3)
         for size in sizes:
-            (host, dev), = _copies(torch, device, cuda, [size])
+            host = torch.empty(size // 4, dtype=torch.int32, pin_memory=cuda)
+            dev = torch.empty(size // 4, dtype=torch.int32, device=device)
             stream = torch.cuda.Stream(device) if cuda else None
             latencies = []
 
@@ -224,21 +220,22 @@ def check_step_costs(torch, device, gemms, toy: bool, emit) -> None:
               "table_gemm_ms": table_ms})
 
 
+CHECKS = {"gather": check_gather, "overlap": check_overlap, "lag": check_lag, "step_costs": check_step_costs}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m evals gpu-check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or "results")
     ap.add_argument("--toy", action="store_true",
                     help="tiny sizes (CPU, CI): the script runs, nothing is measured")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    ap.add_argument("--checks", nargs="+", default=["gather", "overlap", "lag", "step_costs"],
-                    choices=["gather", "overlap", "lag", "step_costs"])
+    ap.add_argument("--checks", nargs="+", default=list(CHECKS), choices=list(CHECKS))
     args = ap.parse_args(argv)
     import torch
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type != "cuda" and not args.toy:
-        print("error: no CUDA device; full sizes need a GPU (use --toy on a CPU)", file=sys.stderr)
-        return 2
+        return fail("no CUDA device; full sizes need a GPU (use --toy on a CPU)")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "gpu_check.jsonl")
     meta = {"check": "meta", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -257,13 +254,8 @@ def main(argv=None) -> int:
             gemms = Gemms(torch, device, SHAPE_TOY if args.toy else SHAPE_7B, dtype)
         with torch.inference_mode():
             for name in args.checks:
-                fn = {"gather": check_gather, "overlap": check_overlap, "lag": check_lag,
-                      "step_costs": check_step_costs}[name]
                 t0 = time.perf_counter()
-                if name == "gather":
-                    fn(torch, device, args.toy, emit)
-                else:
-                    fn(torch, device, gemms, args.toy, emit)
+                CHECKS[name](torch, device, gemms, args.toy, emit)
                 emit({"check": "done", "name": name, "seconds": round(time.perf_counter() - t0, 1)})
     print(f"wrote {path}")
     return 0

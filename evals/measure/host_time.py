@@ -34,6 +34,8 @@ import statistics
 import sys
 import time
 
+from ..options import write_jsonl
+
 _T = {"wall": 0.0, "cpu": 0.0}          # device time within the current step
 _STEPS: list[dict] = []                  # one record per engine step
 _SCHED: dict = {}                        # what the current step scheduled
@@ -184,13 +186,7 @@ def write_rows(args, measured, model: str | None = None) -> int:
         print(json.dumps(rows[-1]), flush=True)
     if not rows:
         return 1
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+    write_jsonl(args.out, rows)
     print(f"wrote {args.out} (host_ms: CPU time per decode step outside model forward, logits "
           "and sampler, measured on this machine's CPU: an upper-ish estimate of a GPU server's)")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -29,9 +29,10 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from contextlib import contextmanager
+
+from ..options import write_jsonl
 
 DRAFT = {"length": 0, "token": 0}  # what the probe proposes; set between runs
 PATCHES = ("plain_steps", "recovered_tokens")
@@ -173,10 +174,5 @@ def main(argv=None) -> int:
                            tax_unpatched_cpu=paired(q1["unpatched"], q1["plain"], 1))
             print(json.dumps(tax), flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            f.writelines(json.dumps({k: r[k] for k in ("model", "B", "q", "ms")}) + "\n" for r in table)
+        write_jsonl(args.out, [{k: r[k] for k in ("model", "B", "q", "ms")} for r in table])
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

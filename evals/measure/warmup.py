@@ -75,7 +75,3 @@ def main(argv=None) -> int:
                     print(f"| {state} | {warm} | {r['construct_s']:.3f} | {r['first_propose_s']:.3f} | "
                           f"{r['later_propose_s'] * 1e3:.2f} ms |", flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
