@@ -5,25 +5,22 @@
                              [--per-problem]
     python -m evals stop-rules --from-json results/stopping.json [--out ...] [--plot PNG]
 
-Each problem's recorded completions are answered with ``extract_answer``
-(program-of-thought sets, ``*_pot_*``: :func:`~evals.adaptive.vote_traces.program_answer`, which folds the
-arithmetic statically and never runs the program) and clustered once
-(``cluster_answers``); samples are then fed to a rule in recorded order, in
-``--perms`` seeded random orders and shortest-first (the order paths finish
-in when all run at once), and the problem stops when the rule says so.  A
-consumed sample counts all its tokens (GPT-2 BPE + EOS, as in
-:mod:`evals.traces`); the rule is checked only after whole waves (default
-waves of 2, as the default ``Schedule``; ``--waves 1``: after every path), and
-every sample of a started wave counts.  Prints a markdown table per set and
-rule (realized disagreement beside the nominal error), leave-one-set-out
-tables (:mod:`evals.adaptive.stop_rules_cv`), writes them next to a JSON file of all
-figures, and names the default rule the cross-validation supports.  The JSON
-holds, per set, the sample counts after which rules were checked (``looks``,
-per problem size) and whether each rule meets the targets (``meets``);
-``--per-problem`` adds each problem's extracted answers, class ids, token
-counts and gold classes.  ``--from-json`` replays nothing: it takes a saved
-result's per-set figures and redoes the selection (targets, leave-one-set-out,
-default, tables, plot) on them.
+Each problem's recorded completions are answered and clustered once
+(:func:`~evals.adaptive.vote_traces.load_vote_traces`); samples are then fed
+to a rule in recorded order, in ``--perms`` seeded random orders and
+shortest-first (the order paths finish in when all run at once), and the
+problem stops when the rule says so.  A consumed sample counts all its tokens
+(GPT-2 BPE + EOS, as in :mod:`evals.traces`); the rule is checked only after
+whole waves (default waves of 2, as the default ``Schedule``; ``--waves 1``:
+after every path), and every sample of a started wave counts.
+
+Prints a markdown table per set and rule and the leave-one-set-out tables
+(:mod:`evals.adaptive.stop_rules_cv`), writes them next to a JSON file of all
+figures (per set also the sample counts after which rules were checked,
+``looks``, and whether each rule meets the targets, ``meets``; with
+``--per-problem`` each problem's answers, class ids, token counts and gold
+classes), and names the default rule the cross-validation supports.
+``--from-json`` replays nothing: it redoes the selection on a saved result.
 """
 
 from __future__ import annotations
@@ -38,8 +35,8 @@ import time
 
 from consensus_spec.sampling.stopping import StopRule, should_stop_ids
 
-from ..options import add_trace_args, write_json
-from ..traces import load_tokenizer, shared_path
+from ..options import add_trace_args, trace_sets, write_json
+from ..traces import load_tokenizer
 from .stop_rules_cv import GUARANTEED, choose_default, loso, markdown, meets, pct, plot, summary
 from .vote_traces import VoteTrace, load_vote_traces
 
@@ -66,13 +63,8 @@ def checkpoints(n: int, waves: list[int | None] | None) -> list[int]:
     """Sample counts after which the rule is checked (before the last sample)."""
     if waves is None:
         return list(range(1, n))
-    done, out, i = 0, [], 0
-    while done < n:
-        size = waves[min(i, len(waves) - 1)]  # the last size repeats
-        done = n if size is None else min(n, done + size)
-        out.append(done)
-        i += 1
-    return out[:-1]
+    from consensus_spec.sampling.waves import REST, Schedule
+    return wave_ends(Schedule(waves=tuple(REST if w is None else w for w in waves)).sizes(n), n)
 
 
 def wave_ends(sizes: list[int], n: int) -> list[int]:
@@ -218,8 +210,7 @@ def main(argv=None) -> int:
     tokenizer = load_tokenizer(args.tokenizer)
     rules = grid()
     sets, skipped = {}, {}
-    for path in args.traces or [shared_path("traces", t) for t in DEFAULT_TRACES]:
-        name = os.path.basename(path).removesuffix(".jsonl")
+    for name, path in trace_sets(args.traces, DEFAULT_TRACES):
         traces = load_vote_traces(path, tokenizer, args.limit)
         if not any(i is not None for t in traces for i in t.ids):
             skipped[name] = "no extractable answers"

@@ -3,25 +3,20 @@
     python -m evals waves [--traces FILE ...] [--rows 64] [--waves 2] [--fill on|off|both]
                           [--early-stop on decided ...] [--orders 3] [--limit N]
 
-Each trace set runs four ways through the replay (:mod:`evals.replay.engine`), the
-engine's batch capped at ``--rows`` paths (vLLM's ``max_num_seqs``):
-
-- plain self-consistency (all N paths of a problem at once), no drafting:
-  the baseline;
-- plain, with consensus drafting and its batch-aware budget;
-- waves with each stop rule (the same :class:`~consensus_spec.sampling.waves.PathPlanner`
-  that ``self_consistency`` drives), no drafting;
-- waves with each stop rule and consensus drafting.
+Each trace set runs through the replay (:mod:`evals.replay.engine`), the
+engine's batch capped at ``--rows`` paths (vLLM's ``max_num_seqs``), as plain
+self-consistency (all N paths of a problem at once) and as waves with each
+stop rule (the :class:`~consensus_spec.sampling.waves.PathPlanner` that
+``self_consistency`` drives), each without drafting and with consensus
+drafting and its batch-aware budget.
 
 A path's answer is the recorded completion's extracted answer, so the vote
 after each wave is the one the engine would take.  Reported per run: paths
 and tokens used, agreement with the full-N vote, gold maj accuracy, engine
-steps, batch fill, τ, and the **projected** H200 time to all answers: each
-replayed step costs ``T(B, 1 + d/B)`` from the measured step-cost table at
-that step's own batch size B and draft tokens d, plus the drafter's CPU time
-measured here for that step.  Async-aware: with ``--host-time``, runs without
-drafting hide the host time behind the step (async scheduling) and drafting
-runs pay it serially.  A projection, not a GPU measurement.
+steps, batch fill, τ, and the **projected** H200 time to all answers, step by
+step (:func:`evals.replay.projection.run_ms`, with the drafter's CPU time
+measured here; with ``--host-time``, runs without drafting hide the host time
+and drafting runs pay it).  A projection, not a GPU measurement.
 
 ``--orders``: the recorded path order and seeded shuffles of it (stopping
 depends on which answers come first); figures are given as mean and range.
@@ -225,6 +220,11 @@ def _span(vals, fmt: str) -> str:
     return f"{format(mean, fmt)} ({format(min(vals), fmt)}–{format(max(vals), fmt)})"
 
 
+COLUMNS = (("paths_per_problem", ".2f"), ("tokens_share", ".1%"), ("agreement", ".1%"), ("gold_maj", ".3f"),
+           ("steps", ".0f"), ("batch_fill", ".2f"), ("tau", ".2f"), ("projected_s", ".1f"),
+           ("speedup", ".2f"), ("speedup_async", ".2f"))  # the markdown's figures, each as mean (range)
+
+
 def markdown(rows: list[dict], args, host) -> str:
     lines = [f"Projected H200 time to all answers (Qwen2.5-7B step costs, {args.rows} rows) over "
              "plain self-consistency without drafting, from replayed traces: a projection from "
@@ -241,15 +241,10 @@ def markdown(rows: list[dict], args, host) -> str:
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for key in dict.fromkeys((r["waves"], r["early_stop"], r["method"]) for r in group):
             rs = [r for r in group if (r["waves"], r["early_stop"], r["method"]) == key]
-            sched = "all at once" if key[0] == "all" else f"waves {key[0]}, {key[1]}"
-            lines.append(
-                f"| {sched} | {key[2]} | {_span([r['paths_per_problem'] for r in rs], '.2f')} | "
-                f"{_span([r['tokens_share'] for r in rs], '.1%')} | "
-                f"{_span([r['agreement'] for r in rs], '.1%')} | {_span([r['gold_maj'] for r in rs], '.3f')} | "
-                f"{_span([r['steps'] for r in rs], '.0f')} | {_span([r['batch_fill'] for r in rs], '.2f')} | "
-                f"{_span([r['tau'] for r in rs], '.2f')} | {_span([r['projected_s'] for r in rs], '.1f')} | "
-                f"**{_span([r['speedup'] for r in rs], '.2f')}** | "
-                f"{_span([r.get('speedup_async') for r in rs], '.2f')} |")
+            cells = ["all at once" if key[0] == "all" else f"waves {key[0]}, {key[1]}", key[2]]
+            cells += [_span([r.get(column) for r in rs], fmt) for column, fmt in COLUMNS]
+            cells[-2] = f"**{cells[-2]}**"  # the speedup
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -3,16 +3,15 @@
     python -m evals waves-sim RESULTS.json [--waves 4,4,rest 1,2,4,rest ...]
                               [--rules on decided ...] [--capacity 256] [--perms 5]
 
-Takes the plain rows (all n at once, no early stop) of a ``python -m evals
-math`` JSON, and for each wave schedule x stop rule drives the real
-:class:`~consensus_spec.sampling.waves.PathPlanner` over those samples, one token per
-path per engine step, with the CPU step-cost model of the embedded model
-(``budget.COST_MODELS["cpu_embedded"]``: a step of B rows costs about
-2.5 ms + 0.1 ms x B).  Reports tokens, estimated wall time and engine steps
-relative to all-at-once, batch fill, agreement with the plain run's full-n
-answer and maj@n.  Samples are assigned to paths in ``--perms`` random
-orders (path order 0 is the recorded one).  This is how the default waves
-were chosen (see :class:`consensus_spec.sampling.waves.Schedule`).
+For each wave schedule x stop rule, drives the real
+:class:`~consensus_spec.sampling.waves.PathPlanner` over the samples of the
+plain rows (all n at once, no early stop) of a ``python -m evals math`` JSON,
+one token per path per engine step, with the embedded model's CPU step-cost
+model (``budget.COST_MODELS["cpu_embedded"]``).  Reports tokens, estimated
+wall time and engine steps relative to all-at-once, batch fill, agreement
+with the plain run's full-n answer and maj@n, over ``--perms`` path orders
+(the first as recorded).  This is how the default waves were chosen (see
+:class:`consensus_spec.sampling.waves.Schedule`).
 """
 
 from __future__ import annotations

@@ -60,9 +60,7 @@ def gold_answer(value, field: str = "answer") -> str | None:
     """
     if value is None:
         return None
-    if isinstance(value, bool):
-        return str(value)
-    if isinstance(value, int):
+    if isinstance(value, int):  # bool included
         return str(value)
     if isinstance(value, float):
         return str(int(value)) if value.is_integer() else repr(value)
@@ -110,11 +108,7 @@ def load_problems(spec: str, limit: int | None = None) -> list[MathProblem]:
         return [MathProblem(f"synthetic-{i}", r["question"], str(r["answer"]), "synthetic")
                 for i, r in enumerate(rows)]
     rows = _read_rows(path) if path else _read_hub(kind)
-    problems = []
-    for i, row in enumerate(rows):
-        if limit is not None and len(problems) >= limit:
-            break
-        problems.append(_problem(row, i, spec))
+    problems = [_problem(row, i, spec) for i, row in enumerate(rows[:limit])]
     if not problems:
         raise DatasetError(f"dataset {spec!r} has no problems")
     return problems

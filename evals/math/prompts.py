@@ -16,28 +16,12 @@ MATH_INSTRUCTION = (
     "within \\boxed{}."
 )
 
-PLAIN_TEMPLATE = "{instruction}\n\nQuestion: {question}\nAnswer:"
-
-
-def user_message(question: str) -> str:
-    return f"{MATH_INSTRUCTION}\n\n{question.strip()}"
-
-
-def plain_prompt(question: str) -> str:
-    # str.replace, not format(): questions are full of LaTeX braces
-    return PLAIN_TEMPLATE.replace("{instruction}", MATH_INSTRUCTION).replace(
-        "{question}", question.strip())
-
-
-def has_chat_template(tokenizer) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
-
 
 def chat_prompt(question: str, tokenizer) -> str:
     """The chat-rendered prompt text.  A leading BOS that the template writes
     is dropped when the tokenizer adds one itself, so it is not doubled."""
     text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": user_message(question)}],
+        [{"role": "user", "content": f"{MATH_INSTRUCTION}\n\n{question.strip()}"}],
         tokenize=False, add_generation_prompt=True)
     bos = getattr(tokenizer, "bos_token", None)
     if bos and text.startswith(bos) and _adds_bos(tokenizer):
@@ -58,14 +42,15 @@ def build_prompt(problem, tokenizer=None) -> str:
     """Prompt text for one :class:`evals.math.datasets.MathProblem`."""
     if problem.kind == "synthetic":
         return format_prompt(problem.question)
-    if tokenizer is not None and has_chat_template(tokenizer):
+    if getattr(tokenizer, "chat_template", None):
         return chat_prompt(problem.question, tokenizer)
-    return plain_prompt(problem.question)
+    # str concatenation, not format(): questions are full of LaTeX braces
+    return MATH_INSTRUCTION + "\n\nQuestion: " + problem.question.strip() + "\nAnswer:"
 
 
 def prompt_style(problems, tokenizer=None) -> str:
     """Short description of the template used (for the report)."""
     if problems and all(p.kind == "synthetic" for p in problems):
         return "synthetic.format_prompt"
-    return "chat template + boxed" if tokenizer is not None and has_chat_template(tokenizer) \
-        else "plain Question/Answer + boxed"
+    chat = getattr(tokenizer, "chat_template", None)
+    return "chat template + boxed" if chat else "plain Question/Answer + boxed"

@@ -6,34 +6,24 @@ Methods:
 - ``none``: no drafting.
 - ``ngram``, ``suffix``: vLLM's proposers. With a ``schedule`` (vLLM's
   ``num_speculative_tokens_per_batch_size``: ``[(first_B, last_B, k), ...]``)
-  each step's k comes from vLLM's own dense lookup
-  (``build_dynamic_sd_schedule_lookup``) at the step's batch size, the
-  number of scheduled requests, as vLLM's scheduler computes
-  ``num_spec_tokens_to_schedule``; the model runner passes it to ``propose``.
-  k = 0 means no drafts at that batch size, but the proposer is still called
-  (vLLM calls it every step; suffix keeps its cache current).
+  each step's k is vLLM's own lookup (``build_dynamic_sd_schedule_lookup``)
+  at the step's batch size, the number of scheduled requests, as vLLM's
+  scheduler and model runner pass it to ``propose``; k = 0 drafts nothing,
+  but the proposer is still called (suffix keeps its cache current).
   vLLM 0.32's ``SuffixDecodingProposer.propose`` asserts that the scheduled k
   equals ``num_speculative_tokens``, so a suffix schedule that ever asks for
-  less fails there as shipped; the replay emulates it with that assertion
-  relaxed (the proposer drafts at most the scheduled k).
-- ``suffix-budget``: vLLM's suffix proposer at full k, its drafts cut by
-  consensus_spec's batch-aware budget (``DraftBudget``) using arctic
-  inference's per-token probability estimates (cumulative along the draft),
-  calibrated online against what was accepted, as consensus does. This puts
-  suffix's drafter under this project's budget.
+  less fails there as shipped; the replay relaxes that assertion (the
+  proposer drafts at most the scheduled k).
+- ``suffix-budget``: suffix under this project's budget (:class:`BudgetedSuffix`).
 - ``consensus``: this project's proposer (``custom_class``); vLLM 0.32 passes
   custom proposers no scheduled k, so no schedule applies.
 - ``consensus-nobudget``: the same with ``cost_model=off`` (the drafter alone).
-- ``device-lag0``, ``device-lag1``, ``device-lag2``: the device route's vLLM
-  speculator itself (``consensus_spec/vllm/device_route.py``, driven with
-  vLLM's own ``RequestState`` and ``InputBatch`` on CPU tensors:
-  :mod:`evals.replay.device_drafters`): consensus tries fed sibling tokens
-  0, 1 or 2 steps late, drafts gathered on the device from a table of
-  contexts by each row's current tokens, K fixed per step. vLLM's Model
-  Runner V2 passes its speculators the scheduled k, so a schedule applies.
-- ``device-emul-lag0|1|2``: the emulation the route was decided on
-  (:mod:`evals.replay.device_drafters`), which reads the tries directly; its
-  drafts must equal the speculator's token for token (``drafts_sha1``).
+- ``device-lag0|1|2``: the device route's vLLM speculator itself, consensus
+  tries fed sibling tokens 0, 1 or 2 steps late; ``device-emul-lag0|1|2``: the
+  emulation the route was decided on, whose drafts must equal the
+  speculator's token for token (``drafts_sha1``); both in
+  :mod:`evals.replay.device_drafters`.  Model Runner V2 passes its
+  speculators the scheduled k, so a schedule applies.
 """
 
 from __future__ import annotations
@@ -96,8 +86,10 @@ def _scheduled_k(k: int, max_num_seqs: int, schedule):
 
 
 class BudgetedSuffix:
-    """vLLM's ``SuffixDecodingProposer`` whose drafts consensus_spec's
-    batch-aware budget cuts.
+    """vLLM's ``SuffixDecodingProposer`` at full k, its drafts cut by
+    consensus_spec's batch-aware budget (``DraftBudget``) on arctic
+    inference's per-token probability estimates, calibrated online as
+    consensus does.
 
     Each step: the verifier's verdict on last step's drafts is read off the
     sampled tokens (a row that was sent n drafts and now shows m sampled

@@ -80,16 +80,15 @@ class ReplayStats:
 class VirtualClock:
     """Seconds as a proposer in a replay sees them: ``step_ms(rows, q)`` per
     verified step of ``rows`` rows with q tokens each, plus each drafter
-    call's measured time (``drafter_time``, else none: deterministic)."""
+    call's measured time."""
 
-    def __init__(self, step_ms, drafter_time: bool = True):
+    def __init__(self, step_ms):
         self.step_ms = step_ms
-        self.drafter_time = drafter_time
         self.now = 0.0
         self._call_start = None
 
     def __call__(self) -> float:
-        if self._call_start is not None and self.drafter_time:
+        if self._call_start is not None:
             return self.now + time.perf_counter() - self._call_start
         return self.now
 
