@@ -85,9 +85,7 @@ def noise_floor(rows: list[dict]) -> list[tuple[str, str, int, float]]:
     return out
 
 
-# ---------------------------------------------------------------------------
-# Scoring a run against gold answers
-# ---------------------------------------------------------------------------
+# -- Scoring a run against gold answers
 
 
 class Grader:
@@ -126,9 +124,7 @@ def score(run, problems) -> dict:
     return dict(pass_at_1=sum(pass1) / count, maj_at_n=sum(maj) / count, per_problem=details)
 
 
-# ---------------------------------------------------------------------------
-# Replay of a stop rule on a plain run's samples
-# ---------------------------------------------------------------------------
+# -- Replay of a stop rule on a plain run's samples
 
 
 def answer_classes(plain: dict) -> list[tuple[list, list[int], list[bool]]]:
@@ -188,9 +184,7 @@ def tradeoff(rows: list[dict], rules: Iterable[str] = TRADEOFF_RULES) -> list[di
     return out
 
 
-# ---------------------------------------------------------------------------
-# Tables and plots
-# ---------------------------------------------------------------------------
+# -- Tables and plots
 
 
 def _f(value, fmt: str) -> str:

@@ -235,9 +235,7 @@ class DeviceRouteDrafter:
                 "host_refresh_us_per_call": self.refresh_s * 1e6 / max(len(acc), 1)}
 
 
-# ---------------------------------------------------------------------------
-# The speculator: vLLM's classes on CPU tensors
-# ---------------------------------------------------------------------------
+# -- The speculator: vLLM's classes on CPU tensors
 
 
 def _cpu_request_state(max_rows: int, max_len: int, k: int):
