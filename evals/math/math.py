@@ -166,20 +166,18 @@ def dry_run(args, problems) -> dict:
 
 
 def write_outputs(args, rows, problems, dataset_name: str, table: str,
-                  points: list[dict] | None = None) -> list[str]:
+                  points: list[dict] | None = None, tradeoff: str = "") -> list[str]:
     out = args.out
     meta = {k: v for k, v in vars(args).items() if k not in ("option", "configs")}
     meta["configs"] = [(n, s.describe(), early_stop_label(r)) for n, s, r in getattr(args, "configs", [])]
-    public = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
     write_json(out + ".json", {"dataset": dataset_name, "num_problems": len(problems), "args": meta,
-                               "results": public, "tradeoff_replay": points or []}, default=str)
+                               "results": report.public(rows), "tradeoff_replay": points or []}, default=str)
     with open(out + ".md", "w") as f:
         f.write(f"dataset {dataset_name}, {len(problems)} problems, model {args.model}, "
                 f"temperature {args.temperature}, k={args.k}\n\n{table}\n")
         if points:
             f.write("\nStop rules replayed on the plain runs' samples (tokens vs agreement "
-                    "with the plain run's own full-n answer):\n\n"
-                    + report.tradeoff_markdown(points) + "\n")
+                    "with the plain run's own full-n answer):\n\n" + tradeoff + "\n")
     written = [out + ".json", out + ".md"]
     if args.plot and report.plot(rows, out + ".png"):
         written.append(out + ".png")
@@ -228,12 +226,12 @@ def report_rows(args, rows, problems, dataset_name: str) -> int:
     report.add_comparisons(rows)
     table = report.markdown(rows)
     print(table)
-    points = None
+    points, tradeoff = None, ""
     if any(r["_stop_rule"] is not None for r in rows) and any(map(report.is_plain, rows)):
         points = report.tradeoff(rows, args.tradeoff_rules)
-        print("\nstop rules replayed on the plain runs' samples:\n"
-              + report.tradeoff_markdown(points))
-    written = write_outputs(args, rows, problems, dataset_name, table, points)
+        tradeoff = report.tradeoff_markdown(points)
+        print("\nstop rules replayed on the plain runs' samples:\n" + tradeoff)
+    written = write_outputs(args, rows, problems, dataset_name, table, points, tradeoff)
     print("wrote " + ", ".join(written))
     return 0
 

@@ -20,6 +20,11 @@ TRADEOFF_RULES = ("decided", "predictive:0.01", "predictive:0.02", "predictive:0
                   "predictive:0.1", "predictive:0.2", "beta:0.05", "margin:3", "window:4")
 
 
+def public(rows: list[dict]) -> list[dict]:
+    """The rows without their in-memory fields (``_stop_rule``, ``_classes``), for JSON."""
+    return [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
+
+
 def is_plain(r: dict) -> bool:
     return (r["waves"], r["early_stop"]) == PLAIN
 

@@ -96,9 +96,7 @@ def run_all(args, problems, max_tokens: int) -> list[dict]:
 
 def checkpoint(args, rows: list[dict]) -> None:
     """Rows so far to PREFIX.partial.json (long runs; removed once all is written)."""
-    write_json(args.out + ".partial.json",
-               {"results": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]},
-               indent=None, default=str)
+    write_json(args.out + ".partial.json", {"results": report.public(rows)}, indent=None, default=str)
 
 
 def make_row(method, n, schedule, rule, run, problems, startup, spec, style) -> dict:

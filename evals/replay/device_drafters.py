@@ -1,59 +1,40 @@
 """The device route as the replay drives it, two ways that must draft the same
 tokens (``drafts_sha1``): the emulation the route was decided on
-(:class:`DeviceRouteDrafter`) and vLLM's speculator itself
-(:class:`SpeculatorDrafter`).
+(:class:`DeviceRouteDrafter`, ``device-emul-lagL``) and vLLM's speculator
+itself (:class:`SpeculatorDrafter`, ``device-lagL``).
 
-**The emulation** (``device-emul-lagL``): what consensus drafting would keep
-and lose if it drafted on the GPU under async scheduling (vLLM Model Runner V2's
-speculator slot) instead of on the host between steps.
+**The emulation**: what consensus drafting would keep and lose if it drafted
+on the GPU under async scheduling (vLLM Model Runner V2's speculator slot)
+instead of on the host between steps.  The host keeps the tries (a
+:class:`ConsensusDrafter`); a token written at call t (in ``sampled``) is
+appended to them at call t + lag, before that call's lookups, so it is
+draftable from call t + lag on, never before.  Each row gets what a device
+table keyed by context n-gram (per sibling group, and one shared table over
+the cross-group trie) holds for the row's *current* last tokens: where the
+lagged group trie matches at least ``min_match`` of them, the drafter's joint
+greedy walk from that context in both tries, else the cross-group trie's
+longest match alone; the emulation gives exactly the table's answer without
+building it.  K is fixed per step (vLLM's scheduled k): continuations are the
+most likely ones (no ``min_prob`` cut: every row pays for K), one shorter than
+K is padded with its last token, and a miss gets K fill tokens (the row's
+last token, as vLLM's ``NgramGPUSpeculator`` fills one).  Every
+``ACCOUNT_EVERY``-th call with K > 0 also counts the table (entries: the nodes
+of the live groups' tries and of the cross-group trie, each an 8-byte key and
+K int32 tokens) and the contexts whose counts changed or are new, a lower
+bound on an incremental refresh.  docs/async.md ("What was replayed", "The
+table and its refresh cost") gives the full account.
 
-The route it emulates: the host keeps the tries (a :class:`ConsensusDrafter`)
-and receives every row's sampled tokens by a non-blocking copy, so they reach
-the tries ``lag`` steps late; each step the host refreshes a device table
-keyed by context n-gram (per sibling group, every context of length <=
-``max_depth`` in the group's trie; one shared table over the cross-group
-trie) whose value is the best continuation of exactly K tokens; the device
-gathers each row's entry by the row's *current* last tokens (the device
-holds them), so the lookup context is fresh while the table is ``lag`` steps
-old. K is fixed per step (vLLM's ``num_speculative_tokens_per_batch_size``,
-chosen by a sweep at each batch size), every row verifies K tokens, and a
-row whose context is in neither table gets K fill tokens (its last token
-repeated, as vLLM's ``NgramGPUSpeculator`` fills a miss).
-
-Emulation: a sibling's token written at call t (in ``sampled``) is appended
-to the tries at call t + lag, before that call's lookups, so it is draftable
-from call t + lag on, never before. The lookup walks the row's last
-``max_depth`` tokens into the lagged group trie; if it matches at least
-``min_match`` tokens (key: that context in the group table) the continuation
-is the drafter's joint greedy walk from that context in both tries, else the
-context's longest match in the cross-group trie alone (the shared table).
-This is the value the table holds at that key, so the emulation gives exactly
-the table's answer without building it. Continuations are the most likely
-ones (no ``min_prob`` cut: every row pays for K tokens whether drafted or
-not); one shorter than K is padded with its last token.
-
-Table accounting (every ``ACCOUNT_EVERY``-th call with K > 0): entries =
-nodes of the live groups' tries plus the cross-group trie; an entry is an
-8-byte key and K int32 tokens. A full refresh copies all of them; the
-incremental refresh is at least the contexts whose next-token counts
-changed or that are new (counted exactly by diffing node totals around the
-step's appends). Entries whose K-token walk passes through a changed
-context also change; those are not counted, so the true incremental cost
-lies between the two figures.
-
-**The speculator** (``device-lagL``): :class:`SpeculatorDrafter` builds
-``ConsensusDeviceSpeculator`` as vLLM's Model Runner V2 does, with a
-real ``RequestState`` and ``InputBatch`` holding CPU tensors, and plays the
-runner's part each step: requests leave (``remove_request``) and arrive
-(``add_request``), the step's sampled tokens are written into
-``all_token_ids`` / ``total_len`` as ``post_update`` writes them, and
-``propose`` gets the batch, ``num_sampled`` and the scheduled K. Its drafts
-are the returned tensor's first K columns.
-
-On this CPU vLLM's UVA buffers would ask for pinned memory, which has no
-allocator here: ``RequestState`` is built with vLLM's non-UVA fallback, and
-the staged writes its ``add_request`` queues are dropped (applying them
-needs Triton) after the harness writes the same tokens directly.
+**The speculator**: ``ConsensusDeviceSpeculator`` built as Model Runner V2
+builds it, with a real ``RequestState`` and ``InputBatch`` holding CPU
+tensors, the harness playing the runner's part each step: requests leave
+(``remove_request``) and arrive (``add_request``), the step's sampled tokens
+are written into ``all_token_ids`` / ``total_len`` as ``post_update`` writes
+them, and ``propose`` gets the batch, ``num_sampled`` and the scheduled K; its
+drafts are the returned tensor's first K columns.  On this CPU vLLM's UVA
+buffers would ask for pinned memory, which has no allocator here:
+``RequestState`` is built with vLLM's non-UVA fallback, and the staged writes
+its ``add_request`` queues are dropped (applying them needs Triton) after the
+harness writes the same tokens directly.
 """
 
 from __future__ import annotations

@@ -3,22 +3,15 @@
     python -m evals dp-replay [--traces FILE ...] [--dp 1 2 8] [--rows 64]
                               [--methods consensus suffix] [--limit N] [--option KEY=VALUE]
 
-Every problem's N recorded paths are routed to D engines, each engine being
-its own drafter (its own ConsensusProposer / SuffixDecodingProposer) replayed
-with ``rows / D`` batch rows (the total stays ``--rows``), under
-
-* ``round_robin``: vLLM's default for the children of an ``n > 1`` request:
-  the front end fans the request out and ``DPLBAsyncMPClient`` routes each
-  child on its own; a burst on idle engines goes exactly round-robin (its
-  in-flight floor), so child c of the run goes to engine ``c mod D``;
-* ``pinned``: every child to ``consensus_spec.sampling.routing.data_parallel_rank(prompt, D)``
-  (what the ``X-data-parallel-rank`` header does on the server).
-
-``one@rows/D`` is one engine replaying every problem with ``rows / D`` rows:
-a pinned engine differs from it only in which problems share its batch, so
-it separates the routing effect from the batch-size effect (the draft budget
-and the cross-problem trie depend on the batch). tau is tokens per verified
-row-step over all engines, as in ``python -m evals replay``.
+Every problem's N recorded paths are routed to D engines, each its own
+drafter replayed with ``rows / D`` batch rows (the total stays ``--rows``),
+under ``round_robin`` (vLLM's default for the children of an ``n > 1``
+request: child c goes to engine ``c mod D``) or ``pinned`` (every child to
+``consensus_spec.sampling.routing.data_parallel_rank(prompt, D)``, what the
+``X-data-parallel-rank`` header does); docs/parallelism.md says why.
+``one@rows/D``, one engine replaying every problem with ``rows / D`` rows,
+separates the routing effect from the batch-size effect.  tau is tokens per
+verified row-step over all engines, as in ``python -m evals replay``.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ class Monitor:
         self.window_peak = 0
         self.evict_s: list[tuple[float, float]] = []  # (wall, CPU) seconds per eviction
         self.t0 = time.perf_counter()
-        self._last_counters = self._counters()
+        self._last_counters = self.counters()
         self._timed = None
         self.arena_bytes = proposer.drafter.forest.nbytes
         self.arena_changes = 0
@@ -65,7 +65,7 @@ class Monitor:
         self.call_cpu_s: list[float] = []  # thread CPU seconds per call
         self._time_calls()
 
-    def _counters(self) -> dict:
+    def counters(self) -> dict:
         d = self.proposer.drafter
         return {k: getattr(d, k) for k in ("evictions", "groups_evicted", "live_groups_evicted",
                                             "nodes_evicted")}
@@ -121,7 +121,7 @@ class Monitor:
             return
         partial = now["tokens"] - self.start["tokens"] < self.window  # the run's last
         d = self.proposer.drafter
-        counters = self._counters()
+        counters = self.counters()
         delta = {k: counters[k] - self._last_counters[k] for k in counters}
         diff = {k: now[k] - self.start[k] for k in now}
         self.windows.append({
@@ -225,8 +225,7 @@ def run(args) -> dict:
         **call_percentiles(monitor.call_s, monitor.call_cpu_s),
         "rss_start_mb": rss0, "rss_end_mb": rss_mb(),
         "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "evictions": d.evictions, "groups_evicted": d.groups_evicted,
-        "live_groups_evicted": d.live_groups_evicted, "nodes_evicted": d.nodes_evicted,
+        **monitor.counters(),  # evictions, groups (live ones) and nodes evicted
         "eviction_ms_mean": 1e3 * sum(w for w, _ in monitor.evict_s) / max(len(monitor.evict_s), 1),
         "eviction_ms_max": 1e3 * max((w for w, _ in monitor.evict_s), default=0.0),
         "eviction_cpu_ms_mean": 1e3 * sum(c for _, c in monitor.evict_s)
