@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 SHARED_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "..", "shared", "data")
@@ -38,11 +39,6 @@ def max_len(problems: list[Problem], k: int) -> int:
     return max(len(p.prompt) + max(map(len, p.completions)) for p in problems) + k + 2
 
 
-class _Ids:
-    def __init__(self, ids: list[int]):
-        self.ids = ids
-
-
 class TraceTokenizer:
     """A ``tokenizers.Tokenizer`` loaded on first use, which also knows the
     texts of recorded lines :func:`load_problems` read (their recorded ids,
@@ -67,7 +63,7 @@ class TraceTokenizer:
 
     def encode_batch(self, texts: list[str]):
         if all(t in self._known for t in texts):
-            return [_Ids(self._known[t]) for t in texts]
+            return [SimpleNamespace(ids=self._known[t]) for t in texts]  # as a tokenizer's encodings
         return self.load().encode_batch(texts)
 
 

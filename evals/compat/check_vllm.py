@@ -5,13 +5,12 @@
     python -m evals check-vllm --source PATH          # a wheel file, or a folder holding vllm/
 
 Nothing is imported from the vLLM being checked: its files are parsed
-(``ast``) from the installed package, a folder, or the wheel's zip. A
-``--version`` wheel is fetched with ``pip download --no-deps`` into
-``~/.cache/consensus_spec/vllm-wheels`` (``--cache DIR``), once. Each
-assumption of :data:`consensus_spec.vllm.assumptions.ASSUMPTIONS` gets one
-line: ``holds``, ``changed`` (file:line and what differs) or ``missing``
-(its file or name is gone). Exit status 0 when every line holds, 1
-otherwise, 2 when the source cannot be had.
+(``ast``) from the installed package, a folder, or the wheel's zip (a
+``--version`` wheel is fetched once with ``pip download --no-deps`` into
+``--cache``). Each assumption of :mod:`consensus_spec.vllm.assumptions` gets
+one line: ``holds``, ``changed`` (file:line and what differs) or ``missing``.
+Exit status 0 when every line holds, 1 otherwise, 2 when the source cannot
+be had.
 """
 
 from __future__ import annotations

@@ -1,25 +1,18 @@
-"""The device route's four GPU checks (``docs/async.md``), PyTorch only.
+"""The device route's four GPU checks, PyTorch only (docs/async.md, "GPU
+checks", says what each measures and why).
 
     python -m evals gpu-check [--out DIR] [--toy] [--device cuda]
 
-1. ``gather``: the table gather (:class:`consensus_spec.device_route.table.ContextTable`)
-   at tables of 0.1M, 0.6M and 4M entries, K = 1, 4, 8, B = 16, 64, 128
-   rows, eager and replayed from a ``torch.cuda.CUDAGraph``; median ms.
-   Target: <= 0.03 ms (what the replay assumes); the route still wins up to
-   about 1.8 ms at 128 rows.
-2. ``overlap``: a loop of Qwen2.5-7B-shaped bf16 GEMMs (the decode step's
-   weights) on the main stream, with pinned -> device copies of 25 KB, 1, 3
-   and 6.6 MB on a side stream each step; the loop's slowdown against no
-   copies (target < 2%) and each copy's latency.
-3. ``lag``: the same loop run as async scheduling runs it (the host enqueues
-   step t + 1 while the GPU runs step t); each step copies a [128, 9] int32
-   tensor to pinned memory without blocking, and the host polls the copies'
-   events at every step: after how many steps each is visible, with and
-   without 0.3 ms of GIL-holding Python per step (the trie appends).
-   Target: >= 95% visible at lag 1.
-4. ``step_costs``: the GEMM stack's time for B = 64, 128 and q = 1, 2, 3, 5
-   tokens per row, beside the table's ``gemm_ms`` (the jump between q = 2
-   and q = 3 at 64 rows drives K = 1 there).
+1. ``gather``: the table gather (:class:`consensus_spec.device_route.table.ContextTable`),
+   eager and replayed from a ``torch.cuda.CUDAGraph``; target <= 0.03 ms.
+2. ``overlap``: Qwen2.5-7B-shaped bf16 GEMMs (the decode step's weights) on
+   the main stream, pinned -> device copies on a side stream each step: the
+   loop's slowdown (target < 2%) and each copy's latency.
+3. ``lag``: the same loop as async scheduling runs it, each step's tokens
+   copied to pinned memory without blocking: after how many steps each copy
+   is visible, with and without 0.3 ms of GIL-holding Python per step;
+   target >= 95% at lag 1.
+4. ``step_costs``: the GEMM stack's time beside the H200 table's ``gemm_ms``.
 
 Writes ``gpu_check.jsonl`` in ``--out`` (default ``$OUT`` or ``results/``),
 one record per measurement, and prints a summary. About 5 minutes on one

@@ -111,7 +111,6 @@ class LearningTrace:
         self.proposer, self.truth = proposer, truth
         self.errors: list[float] = []
         self.slope_errors: list[float] = []
-        self.sizes = truth.batch_sizes
 
     def __call__(self, stats) -> None:
         b, m = stats.step_rows[-1], stats.step_drafted[-1]
@@ -119,8 +118,7 @@ class LearningTrace:
         if costs is None or b < 1:
             return
         t = costs.step_ms(b, max(m, b), drafter=False)
-        bb = min(max(b, self.sizes[0]), self.sizes[-1])
-        true_at = lambda q: self.truth.step_ms_between(bb, q)  # noqa: E731
+        true_at = lambda q: self.truth.step_ms_clamped(b, q)  # noqa: E731
         self.errors.append(abs(t[m] / true_at(1.0 + m / b) - 1.0))
         one_more = true_at(2.0) - true_at(1.0)  # one draft token per row
         if one_more > 0:
@@ -168,8 +166,7 @@ class Bench:
         """The time consensus learns its step costs from: the cost table's."""
         if self.costs is None or self.args.online == "off" or method != "consensus":
             return None
-        sizes = self.costs.batch_sizes
-        return VirtualClock(lambda b, q: self.costs.step_ms_between(min(max(b, sizes[0]), sizes[-1]), q))
+        return VirtualClock(self.costs.step_ms_clamped)
 
     def run(self, problems, name: str, method: str, batch: int, scouts: int = 0,
             schedule=None, suffix_options: dict | None = None, tag: str = "") -> dict:

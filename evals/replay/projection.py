@@ -110,6 +110,11 @@ class StepCosts:
         w = (batch - lo) / (hi - lo)
         return (1 - w) * self.step_ms(lo, q) + w * self.step_ms(hi, q)
 
+    def step_ms_clamped(self, batch: int, q: float) -> float:
+        """:meth:`step_ms_between` with ``batch`` held to the measured range."""
+        sizes = self.batch_sizes
+        return self.step_ms_between(min(max(batch, sizes[0]), sizes[-1]), q)
+
     def speedup(self, batch: int, tau: float, drafts_per_step: float, drafter_us_per_row: float) -> float:
         """Async-unaware: host time left out of both sides."""
         c_ms = drafter_us_per_row * batch / 1000.0
@@ -218,14 +223,13 @@ def profile_rows(truth, max_rows: int, noise: float, rng) -> list[dict]:
     from consensus_spec.budget.measured import Q_POINTS
     from consensus_spec.budget.online import BUCKETS_PER_OCTAVE, bucket_of
 
-    sizes = truth.batch_sizes
     # one batch size per bucket the run can reach (some buckets hold no integer size)
     batches = [b for i, b in ((i, int(round(2 ** (i / BUCKETS_PER_OCTAVE)))) for i in range(64))
                if b <= max_rows and bucket_of(b) == i]
     rows = []
     for b in batches:
         for q in Q_POINTS:
-            ms = truth.step_ms_between(min(max(b, sizes[0]), sizes[-1]), float(q))
+            ms = truth.step_ms_clamped(b, float(q))
             rows.append({"B": b, "q": q, "ms": ms * max(1.0 + noise * rng.standard_normal(), 0.5),
                          "noise": noise})
     return rows
