@@ -37,6 +37,15 @@ from .drafters import MACHINE, name_machine, stand_in_config
 DEFAULT_COSTS = shared_path("costs", "h200_qwen2.5-7b_step_ms.jsonl")
 
 
+def _along(x: float, xs, ys) -> float:
+    """``ys`` at ``x``: linear between points, the first value below them,
+    extrapolated along the last segment above them."""
+    if len(xs) > 1 and x > xs[-1]:
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        return float(ys[-1] + slope * (x - xs[-1]))
+    return float(np.interp(x, xs, ys))
+
+
 def _read_jsonl(path: str, what: str) -> list[dict]:
     if not os.path.exists(path):
         raise FileNotFoundError(f"{what} not found: {path}")
@@ -90,11 +99,7 @@ class StepCosts:
     def step_ms(self, batch: int, q: float) -> float:
         if batch not in self._table:
             raise ValueError(f"batch size {batch} not in cost table {self.batch_sizes}")
-        qs, ms = self._table[batch]
-        if q > qs[-1]:  # extrapolate along the last segment
-            slope = (ms[-1] - ms[-2]) / (qs[-1] - qs[-2])
-            return float(ms[-1] + slope * (q - qs[-1]))
-        return float(np.interp(q, qs, ms))
+        return _along(q, *self._table[batch])
 
     def step_ms_between(self, batch: int, q: float) -> float:
         """:meth:`step_ms` at any batch size from the smallest measured to the
@@ -168,10 +173,7 @@ class HostTime:
         return [int(b) for b in self.b]
 
     def host_ms(self, batch: int) -> float:
-        if len(self.b) > 1 and batch > self.b[-1]:
-            slope = (self.ms[-1] - self.ms[-2]) / (self.b[-1] - self.b[-2])
-            return float(max(self.ms[-1] + slope * (batch - self.b[-1]), 0.0))
-        return float(np.interp(batch, self.b, self.ms))
+        return max(_along(batch, self.b, self.ms), 0.0)
 
 
 def break_even_host_ms(costs: StepCosts, batch: int, tau: float, drafts_per_step: float,
