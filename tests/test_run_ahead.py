@@ -122,6 +122,25 @@ def test_the_latency_objective_weighs_a_wave_against_the_waves_it_saves(objectiv
         RunAhead(None, None, "answers")
 
 
+def test_problems_sharing_the_batch_hold_the_latency_objective_to_rows_of_work():
+    # T = 4 + B.  One problem holding 4 rows, every later wave worth 0.6.
+    # Alone (B = 4) the latency criterion opens all six waves of 2 (at B = 14,
+    # 4 * 2 / 16 = 0.5 < 0.6).  Beside 7 other problems of 4 rows (B = 32,
+    # k = 8) the latency criterion alone, 8 * 2 / T(30) = 0.47, would open a
+    # wave; rows of work, kappa(32, 2) = 32 / 36 = 0.89, open none, and with
+    # more than SHARED_PROBLEMS problems beside it that criterion binds.
+    def opened(rows):
+        ra = RunAhead(None, FixedCosts(fixed=4.0, per_row=1.0), "latency")
+        return len(ra.choose([(0.6, 2, 0)], spare=12, rows=rows,
+                             next_candidate=lambda p: (0.6, 2), own=(4, 1)))
+
+    assert opened(rows=4) == 6
+    assert opened(rows=32) == 0
+    # two problems (k = 2): a third of the rows-of-work criterion, 0.27 at
+    # B = 8, lets waves open until the latency criterion stops them
+    assert opened(rows=8) == 6
+
+
 def test_a_settling_vote_stops_run_ahead_and_a_split_one_keeps_it():
     def after_first_wave(answers):
         idle = {"rows": 2}
