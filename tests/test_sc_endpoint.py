@@ -305,3 +305,55 @@ def test_idle_rows_go_to_any_run_or_to_older_runs_first():
         st.wants.update(old=lambda: 6, young=lambda: 9)
         assert st.idle_rows("old") == 20 and st.idle_rows("young") == young
         assert st.snapshot()["limits"]["idle_fill"] == mode
+
+
+def test_every_path_of_a_prompt_goes_to_one_data_parallel_engine():
+    """With --data-parallel-size 2, vLLM's balancer would send each path
+    wherever; the routes pin a prompt's paths to one engine: the client's
+    X-data-parallel-rank header if it is a rank, else the prompt's hash."""
+    import asyncio
+    from argparse import Namespace
+    from types import SimpleNamespace
+
+    from consensus_spec.sampling.routing import data_parallel_rank
+    from consensus_spec.server import endpoint, runs
+    from consensus_spec.server.options import Limits, RunOptionsIn, resolve_options
+
+    class Engine:
+        model_config = SimpleNamespace(max_model_len=512, get_diff_sampling_param=dict)
+        vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=2))
+
+        def __init__(self):
+            self.sent = []  # (prompt ids, rank)
+
+        async def generate(self, prompt, params, rid, priority=0, data_parallel_rank=None):
+            self.sent.append((tuple(prompt["prompt_token_ids"]), data_parallel_rank))
+            await asyncio.sleep(0)
+            yield SimpleNamespace(request_id=rid, finished=True, outputs=[SimpleNamespace(
+                text="The answer is 4.", token_ids=[7], cumulative_logprob=-1.0, logprobs=None,
+                finish_reason="stop", stop_reason=None)])
+
+        async def abort(self, rids):
+            pass
+
+    prompts = [{"prompt_token_ids": list(range(p, p + 20))} for p in range(6)]
+    opts = resolve_options(RunOptionsIn(early_stop=False), Limits())
+
+    def sent_ranks(headers):
+        engine = Engine()
+        st = endpoint._State(engine, Namespace(), Limits(), 32, run_ahead="idle")
+        request = SimpleNamespace(headers=headers)
+        make = lambda p, k: SimpleNamespace(n=1, logprobs=None, seed=None)  # noqa: E731
+        asyncio.run(runs.run_request(st, request, "run", prompts, make, 4, opts, 16))
+        assert len(engine.sent) == 6 * 4
+        by_prompt: dict = {}
+        for ids, rank in engine.sent:
+            by_prompt.setdefault(ids, set()).add(rank)
+        return {ids: ranks.pop() for ids, ranks in by_prompt.items() if len(ranks) == 1}
+
+    hashed = sent_ranks({})
+    assert len(hashed) == 6  # one engine per prompt
+    assert all(rank == data_parallel_rank(list(ids), 2) for ids, rank in hashed.items())
+    assert set(hashed.values()) == {0, 1}  # distinct prompts spread
+    assert set(sent_ranks({"X-data-parallel-rank": "1"}).values()) == {1}
+    assert sent_ranks({"X-data-parallel-rank": "7"}) == hashed  # not a rank: not used

@@ -132,6 +132,8 @@ class _State:
         names = getattr(args, "served_model_name", None) or ([model] if model else [])
         self.model_names = [names] if isinstance(names, str) else list(names)
         self.max_model_len = engine_client.model_config.max_model_len
+        parallel = getattr(getattr(engine_client, "vllm_config", None), "parallel_config", None)
+        self.data_parallel_size = int(getattr(parallel, "data_parallel_size", 1) or 1)
         self.chat_template = getattr(args, "chat_template", None)
         self.runs: dict[str, int] = {}  # run id -> paths in the engine now
         self.client_ids: dict[str, str] = {}  # run id -> the client's X-Request-Id

@@ -1,8 +1,16 @@
 """What every self-consistency route does the same way: run a request's
 paths against the server's engine (the run's count of paths in flight,
-``X-Request-Id``, run-ahead over the engine's measured step cost), answer
-when done unless the client went away first (then every path is aborted),
-stream server-sent events, and shape errors as vLLM's routes do."""
+``X-Request-Id``, run-ahead over the engine's measured step cost, every
+path of a prompt on one data-parallel engine), answer when done unless
+the client went away first (then every path is aborted), stream
+server-sent events, and shape errors as vLLM's routes do.
+
+With ``--data-parallel-size`` D > 1 each path would go to whichever engine
+vLLM's balancer picks, away from its siblings, and consensus drafting
+drafts from siblings on its own engine.  So every path of a prompt is sent
+with ``data_parallel_rank``: the client's ``X-data-parallel-rank`` header
+(as vLLM's routes take it: an int in [0, D), else not used), or else
+:func:`~consensus_spec.sampling.routing.data_parallel_rank` of its token ids."""
 
 # no "from __future__ import annotations": FastAPI reads annotations of routes built here
 import asyncio
@@ -11,6 +19,7 @@ import logging
 import uuid
 from typing import Any, Callable
 
+from ..sampling.routing import data_parallel_rank
 from ..sampling.run_ahead import RunAhead
 from .options import RunOptions
 from .step_costs import engine_costs
@@ -50,8 +59,19 @@ async def run_request(st, raw_request, run_id: str, prompts: list, make_params: 
         if run_id in st.runs:  # a cancelled run's shielded clean-up may end after it left
             st.runs[run_id] += count
 
+    dp = getattr(st, "data_parallel_size", 1)
+    ranks: dict[int, int] = {}  # id(prompt) -> its engine
+
     def generate(rid, prompt, params):
-        return st.engine.generate(prompt, params, rid, priority=priority)
+        if dp <= 1:
+            return st.engine.generate(prompt, params, rid, priority=priority)
+        rank = ranks.get(id(prompt))
+        if rank is None:
+            rank = ranks[id(prompt)] = pinned if pinned is not None else \
+                data_parallel_rank(list(prompt["prompt_token_ids"]), dp)
+        return st.engine.generate(prompt, params, rid, priority=priority, data_parallel_rank=rank)
+
+    pinned = _header_rank(raw_request, dp)
 
     st.runs[run_id] = 0
     client_id = raw_request.headers.get("X-Request-Id")
@@ -75,6 +95,15 @@ async def run_request(st, raw_request, run_id: str, prompts: list, make_params: 
         st.wants.pop(run_id, None)
         if run_ahead is not None:
             st.run_ahead_total.merge(run_ahead.stats)
+
+
+def _header_rank(raw_request, dp: int) -> int | None:
+    raw = raw_request.headers.get("X-data-parallel-rank") if dp > 1 else None
+    try:
+        rank = int(raw) if raw is not None else None
+    except ValueError:
+        return None
+    return rank if rank is not None and 0 <= rank < dp else None
 
 
 async def until_disconnect(raw_request, work, route: str):
