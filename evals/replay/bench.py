@@ -75,7 +75,8 @@ class CpuTimed:
         self.fn = fn
         self.cpu_s = 0.0
         self.rows = 0
-        self.per_call: list[float] = []
+        self.call_s: list[float] = []    # CPU seconds per call
+        self.per_call: list[float] = []  # and per row, in µs
         self.calls: list[list] | None = [] if log else None
 
     def __call__(self, sampled, batch):
@@ -84,6 +85,7 @@ class CpuTimed:
         dt = time.process_time() - t0
         self.cpu_s += dt
         self.rows += len(sampled)
+        self.call_s.append(dt)
         self.per_call.append(dt * 1e6 / max(len(sampled), 1))
         if self.calls is not None:
             self.calls.append([len(sampled), sorted({len(d) for d in out})])
@@ -168,8 +170,10 @@ class Bench:
             return None
         return VirtualClock(self.costs.step_ms_clamped)
 
-    def run(self, problems, name: str, method: str, batch: int, scouts: int = 0,
-            schedule=None, suffix_options: dict | None = None, tag: str = "") -> dict:
+    def builder(self, problems, method: str, batch: int, scouts: int = 0, schedule=None,
+                suffix_options: dict | None = None):
+        """``build(clock, memory=None)``: ``method``'s drafter for ``problems`` at ``batch``
+        rows; the first for a method replays one problem untimed (compiled code loaded)."""
         k = self.args.k
 
         def build(clock, memory=None):
@@ -178,10 +182,16 @@ class Bench:
                                 suffix_options=suffix_options, clock=clock,
                                 model=memory.model if memory else None)
 
-        if method not in self.warmed:  # load compiled code before anything is timed
+        if method not in self.warmed:
             clock = self.clock(method)
             replay(problems[:1], build(clock), method, k, batch, scouts, clock=clock)
             self.warmed.add(method)
+        return build
+
+    def run(self, problems, name: str, method: str, batch: int, scouts: int = 0,
+            schedule=None, suffix_options: dict | None = None, tag: str = "") -> dict:
+        k = self.args.k
+        build = self.builder(problems, method, batch, scouts, schedule, suffix_options)
         clock = self.clock(method)
         memory = for_run(self.args, self.costs, method, clock, name, batch, tag)
         inner = build(clock, memory)

@@ -127,6 +127,19 @@ class _Row:
         self.problem, self.path, self.seq, self.n, self.done = problem, path, seq, n, False
 
 
+class Queued:
+    """Admission of the (problem, path) ``keys`` in order, aborting nothing."""
+
+    def __init__(self, keys):
+        self.queue = deque(keys)
+
+    def pop(self):
+        return self.queue.popleft() if self.queue else None
+
+    def finished(self, problem: int, path: int) -> list[tuple[int, int]] | None:
+        return None
+
+
 class _Admission:
     """Order in which paths enter: followers of problems whose scouts are done
     first, then the next problem's scouts (all paths when scouts=0)."""

@@ -36,7 +36,6 @@ class StepRecorder:
         self.core = llm.llm_engine.engine_core
         self.steps: list[Step] = []
         self.t0 = 0.0
-        self.t_end = 0.0
 
     def __enter__(self) -> "StepRecorder":
         inner = self.core.get_output
@@ -59,7 +58,6 @@ class StepRecorder:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.t_end = time.perf_counter() - self.t0
         del self.core.get_output
 
 
