@@ -24,28 +24,15 @@ from .projection import DEFAULT_COSTS, HostTime, StepCosts, break_even_host_ms, 
 DEFAULT_HOST_TIME = "results/host_time.jsonl"
 
 
-def schedule_from_ks(ks: dict[int, int]) -> list[tuple[int, int, int]]:
-    """vLLM ``num_speculative_tokens_per_batch_size`` giving each measured
-    batch size its k: batch sizes up to the smallest get its k, each next
-    range starts one above the previous size; vLLM carries the last k on."""
-    out, start = [], 1
-    for b in sorted(ks):
-        out.append((start, b, int(ks[b])))
-        start = b + 1
-    return out
-
-
-def describe_schedule(ks: dict[int, int]) -> str:
-    return ", ".join(f"B{b}→" + (f"k{ks[b]}" if ks[b] else "off") for b in sorted(ks))
-
-
 def pick_schedule(rows: list[dict], key: str = "speedup") -> dict:
     """Best k per batch size from sweep rows ``{"batch", "k", "params", key}``.
 
     Engine-wide settings (``params``: suffix's min_token_prob and spec factor
     hold for every batch size) are chosen together: the setting whose best
     per-batch speedups have the highest geometric mean. Ties go to the
-    smaller k."""
+    smaller k.  The schedule (vLLM's ``num_speculative_tokens_per_batch_size``)
+    gives batch sizes up to the smallest measured one its k, each next range
+    starting one above the previous size; vLLM carries the last k on."""
     by_params: dict[str, list[dict]] = {}
     for r in rows:
         by_params.setdefault(json.dumps(r.get("params") or {}, sort_keys=True), []).append(r)
@@ -61,8 +48,9 @@ def pick_schedule(rows: list[dict], key: str = "speedup") -> dict:
             best = {"params": json.loads(params), "k": ks, "speedup": speedups, "score": score}
     if best is None:
         raise ValueError("no sweep rows to pick a schedule from")
-    best["schedule"] = schedule_from_ks(best["k"])
-    best["text"] = describe_schedule(best["k"])
+    sizes = sorted(best["k"])
+    best["schedule"] = [(lo, b, int(best["k"][b])) for lo, b in zip([1] + [b + 1 for b in sizes], sizes)]
+    best["text"] = ", ".join(f"B{b}→" + (f"k{best['k'][b]}" if best["k"][b] else "off") for b in sizes)
     return best
 
 
@@ -160,8 +148,8 @@ class Bench:
             h = self.host.host_ms(b) * self.args.host_time_scale
             row["host_ms"] = h
             # no drafting runs with async scheduling: it is the baseline itself
-            row["speedup_async"] = 1.0 if none else self.costs.speedup_async_aware(b, tau, d, c, h)
-            row["speedup_both_sync"] = 1.0 if none else self.costs.speedup_both_sync(b, tau, d, c, h)
+            row["speedup_async"] = 1.0 if none else self.costs.speedup(b, tau, d, c, h, async_base=True)
+            row["speedup_both_sync"] = 1.0 if none else self.costs.speedup(b, tau, d, c, h)
         return row
 
     def clock(self, method: str) -> VirtualClock | None:

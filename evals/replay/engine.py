@@ -27,6 +27,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -281,8 +282,4 @@ def _condense(rows, sampled, drafts, batch, set_row) -> None:
         del drafts[live:]
 
 
-class _Done:
-    done = True
-
-
-_DONE = _Done()
+_DONE = SimpleNamespace(done=True)  # what a moved row leaves behind
