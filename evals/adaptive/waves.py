@@ -29,7 +29,7 @@ import os
 import random
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import replace
 
 from ..options import add_option_arg, add_trace_args, fail, parse_options, trace_sets, write_results
@@ -69,9 +69,7 @@ def paired_sets(path: str, tokenizer, limit: int | None):
     completions (others are reported and left out)."""
     problems = load_problems(path, tokenizer, limit=limit, log=lambda m: print(m, file=sys.stderr))
     votes = {v.id: v for v in load_vote_traces(path, tokenizer, limit=limit)}
-    counts: dict[int, int] = {}
-    for p in problems:
-        counts[len(p.completions)] = counts.get(len(p.completions), 0) + 1
+    counts = Counter(len(p.completions) for p in problems)
     n = max(counts, key=counts.get)
     kept = [p for p in problems if len(p.completions) == n and p.id in votes]
     if len(kept) < len(problems):

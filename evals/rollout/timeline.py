@@ -5,14 +5,9 @@
 ``LLM.generate`` runs: the outputs pass through unchanged, and each step's
 arrival time, the tokens it produced (``new_token_ids``: the accepted draft
 tokens and the bonus token), the rows that produced them and the rows that
-finished are noted.  Nothing inside vLLM changes.
-
-:func:`summarize` turns the steps into the batch's figures: the makespan
-(the whole ``generate`` call, tokenization and prefill included), the tail
-(time from the step that brought the batch to 90% of its tokens to the end),
-tokens per second, and tokens per row-step before and after the batch starts
-draining (the first step in which a row finished; with the whole batch
-admitted at once, rows only leave from then on).
+finished are noted.  Nothing inside vLLM changes.  :func:`summarize` turns
+the steps into the figures docs/rollouts.md lists (draining starts with the
+first step in which a row finished).
 """
 
 from __future__ import annotations
