@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -116,12 +117,8 @@ def load_problems(path: str, tokenizer=None, eos_id: int = GPT2_EOS, limit: int 
     if not os.path.exists(path):
         raise TraceError(f"trace file not found: {path}")
     problems: list[Problem] = []
-    skipped: dict[str, int] = {}
+    skipped: Counter[str] = Counter()  # reason: entries skipped for it
     name = os.path.basename(path)
-
-    def skip(reason: str) -> None:
-        skipped[reason] = skipped.get(reason, 0) + 1
-
     with open(path, encoding="utf-8") as f:
         lines = f.readlines()
     last = max((i for i, line in enumerate(lines, 1) if line.strip()), default=0)
@@ -136,16 +133,16 @@ def load_problems(path: str, tokenizer=None, eos_id: int = GPT2_EOS, limit: int 
         except json.JSONDecodeError as e:
             if lineno < last:
                 raise TraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            skip(f"invalid JSON on the last line, line {lineno} (truncated by an interrupted write?)")
+            skipped[f"invalid JSON on the last line, line {lineno} (truncated by an interrupted write?)"] += 1
             continue
         if not isinstance(obj, dict):
-            skip("not a JSON object")
+            skipped["not a JSON object"] += 1
             continue
         pid = str(obj.get("id", f"line{lineno}"))
         if "prompt_ids" in obj or "completion_ids" in obj:
             prompt_ids, recorded = _recorded(obj, where, eos_id)
             if len(recorded) < min_samples:
-                skip(f"fewer than {min_samples} non-empty completions")
+                skipped[f"fewer than {min_samples} non-empty completions"] += 1
                 continue
             if isinstance(tokenizer, TraceTokenizer):
                 pairs = [(t, ids[:-1]) for t, ids in recorded if t is not None]
@@ -154,11 +151,11 @@ def load_problems(path: str, tokenizer=None, eos_id: int = GPT2_EOS, limit: int 
             continue
         prompt, comps = obj.get("prompt"), obj.get("completions")
         if not isinstance(prompt, str) or not prompt or not isinstance(comps, list):
-            skip("no prompt or completions")
+            skipped["no prompt or completions"] += 1
             continue
         comps = [c for c in comps if isinstance(c, str) and c]
         if len(comps) < min_samples:
-            skip(f"fewer than {min_samples} non-empty completions")
+            skipped[f"fewer than {min_samples} non-empty completions"] += 1
             continue
         if tokenizer is None:
             raise TraceError(f"{where}: text without token ids, and no tokenizer given")

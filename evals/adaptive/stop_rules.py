@@ -87,26 +87,16 @@ def replay_order(ids, tokens, rule: StopRule, checks: list[int], tallies=None):
     """(samples used, tokens used, stopped winner, full-N winner) for one order."""
     n = len(ids)
     tallies = tallies or prefix_tallies(ids)
-    used = n
-    for k in checks:
-        if should_stop_ids(ids[:k], n - k, rule, ranked=tallies[k]):
-            used = k
-            break
-
-    def winner(t):
-        return t[0][0] if t else None
-
+    used = next((k for k in checks if should_stop_ids(ids[:k], n - k, rule, ranked=tallies[k])), n)
+    winner = lambda t: t[0][0] if t else None  # noqa: E731
     return used, sum(tokens[:used]), winner(tallies[used]), winner(tallies[n])
 
 
 def orders(trace: VoteTrace, perms: int, seed: int) -> dict[str, list[int]]:
     n = len(trace.ids)
     rng = random.Random(f"{seed}-{trace.id}")
-    out = {"recorded": list(range(n)),
-           "shortest": sorted(range(n), key=lambda i: (trace.tokens[i], i))}
-    for r in range(perms):
-        out[f"perm{r}"] = rng.sample(range(n), n)
-    return out
+    return {"recorded": list(range(n)), "shortest": sorted(range(n), key=lambda i: (trace.tokens[i], i)),
+            **{f"perm{r}": rng.sample(range(n), n) for r in range(perms)}}
 
 
 def evaluate(traces: list[VoteTrace], rules: list[StopRule], perms: int = 20, seed: int = 0,

@@ -29,13 +29,13 @@ import os
 import random
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import replace
 
 from ..options import add_option_arg, add_trace_args, fail, parse_options, trace_sets, write_results
 from ..replay.bench import CpuTimed, add_table_args, load_tables
 from ..replay.drafters import make_drafter
-from ..replay.engine import replay
+from ..replay.engine import Queued, replay
 from ..replay.projection import run_ms
 from ..traces import Problem, TraceError, load_problems, load_tokenizer, max_len
 from .vote_traces import load_vote_traces, path_planner, winner
@@ -44,15 +44,12 @@ DEFAULT_TRACES = ("gsm8k_qwen3_4b_n8.jsonl", "addsub_codex002_n40.jsonl")
 METHODS = ("none", "consensus")
 
 
-class WaveAdmission:
+class WaveAdmission(Queued):
     """Paths enter the replay as a PathPlanner releases them."""
 
     def __init__(self, planner, class_ids: list[list[int | None]]):
+        super().__init__(planner.admit())
         self.planner, self.class_ids = planner, class_ids
-        self.queue = deque(planner.admit())
-
-    def pop(self):
-        return self.queue.popleft() if self.queue else None
 
     def finished(self, p: int, path: int) -> list[tuple[int, int]]:
         """Paths to abort that are running (those still queued are dropped)."""
@@ -72,9 +69,7 @@ def paired_sets(path: str, tokenizer, limit: int | None):
     completions (others are reported and left out)."""
     problems = load_problems(path, tokenizer, limit=limit, log=lambda m: print(m, file=sys.stderr))
     votes = {v.id: v for v in load_vote_traces(path, tokenizer, limit=limit)}
-    counts: dict[int, int] = {}
-    for p in problems:
-        counts[len(p.completions)] = counts.get(len(p.completions), 0) + 1
+    counts = Counter(len(p.completions) for p in problems)
     n = max(counts, key=counts.get)
     kept = [p for p in problems if len(p.completions) == n and p.id in votes]
     if len(kept) < len(problems):

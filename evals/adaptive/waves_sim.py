@@ -73,10 +73,8 @@ def load(path: str):
     for row in data["results"]:
         if (row.get("waves"), row.get("early_stop")) != ("all", "off"):
             continue
-        problems = []
-        for ids, tokens, right in answer_classes(row):
-            problems.append((ids, tokens, right, winner(ids)))
-        out[f"{row['method']} n={row['n']}"] = problems
+        out[f"{row['method']} n={row['n']}"] = [(ids, tokens, right, winner(ids))
+                                                 for ids, tokens, right in answer_classes(row)]
     return out
 
 

@@ -73,10 +73,6 @@ def gold_answer(value, field: str = "answer") -> str | None:
     return text or None
 
 
-def is_file_spec(spec: str) -> bool:
-    return spec.lower().endswith(FILE_SUFFIXES) or os.sep in spec or os.path.exists(spec)
-
-
 def resolve(spec: str) -> tuple[str, str | None]:
     """(kind, path): kind is a dataset name or "file"; path is the local file
     to read, or None for synthetic / hub datasets.  Raises DatasetError."""
@@ -86,7 +82,7 @@ def resolve(spec: str) -> tuple[str, str | None]:
     if key in HUB:
         path = os.path.join(SHARED_MATH, HUB[key][0])
         return key, (path if os.path.exists(path) else None)
-    if is_file_spec(spec):
+    if key.endswith(FILE_SUFFIXES) or os.sep in spec or os.path.exists(spec):  # a file
         if not os.path.isfile(spec):
             raise DatasetError(f"dataset file not found: {spec}")
         if not key.endswith(FILE_SUFFIXES):

@@ -119,13 +119,16 @@ def engine_env(verbose: bool) -> bool:
 
 def spec_config(method: str, args) -> dict | None:
     """vLLM's speculative_config for ``method`` (consensus options travel in
-    ``additional_config``: :func:`engine_kwargs`)."""
+    ``additional_config``: :func:`engine_options`); ngram and suffix draft
+    ``--k`` tokens, or ``--ngram-k`` / ``--suffix-k`` where a command has them
+    (``rollout``; a suffix k of None leaves vLLM's)."""
     if method == "none":
         return None
     if method == "consensus":
         from consensus_spec import engine_args
         return engine_args(args.k, **args.drafter_options)["speculative_config"]
-    config = {"method": method, "num_speculative_tokens": args.k}
+    k = getattr(args, f"{method}_k", args.k)
+    config = {"method": method, **({"num_speculative_tokens": k} if k else {})}
     if method == "ngram" and args.ngram_lookup:
         config["prompt_lookup_min"], config["prompt_lookup_max"] = args.ngram_lookup
     return config
@@ -159,14 +162,16 @@ def engine_options(method: str, args) -> dict:
     return engine_args(args.k, **args.drafter_options)["additional_config"]
 
 
-def build_llm(method: str, args):
+def build_llm(method: str, args, log_stats: bool = True):
+    """The engine for ``method`` with :func:`add_engine_args`' settings;
+    ``log_stats`` keeps vLLM's stats (the spec-decode counters read them)."""
     from vllm import LLM
 
     kwargs = dict(model=args.model, speculative_config=spec_config(method, args), seed=args.seed,
                   additional_config=engine_options(method, args),
                   dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
                   enforce_eager=on_cpu() if args.enforce_eager is None else args.enforce_eager,
-                  disable_log_stats=False)
+                  disable_log_stats=not log_stats)
     if args.max_model_len is not None:
         kwargs["max_model_len"] = args.max_model_len
     if args.max_num_seqs is not None:

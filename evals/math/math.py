@@ -11,13 +11,10 @@ on a fresh vLLM engine (built, warmed up, measured and shut down in turn;
 ``--reuse-engine`` keeps one engine per method).  ``--early-stop off on``
 compares plain self-consistency (all n at once) with adaptive stopping (the
 default stop rule checked after whole waves of the default schedule) in one
-invocation.  Reported per row: pass@1 (mean share of correct samples), maj@n
-(voted answer correct), agreement of the voted answer with the full-n answer
-of the plain run of the same method, the stop rule replayed on that plain
-run's samples, generated tokens, tokens/s, wall time, batch fill, vLLM's
-spec-decode counters and speedups: tokens/s over ``none`` at the same
-settings, wall time over plain ``none``.  Writes PREFIX.json, PREFIX.md,
-PREFIX.png and, with early stop, PREFIX_tradeoff.png (tokens vs agreement).
+invocation.  Each row has pass@1, maj@n, tokens, tokens/s, wall time, batch
+fill and vLLM's spec-decode counters, and the comparisons
+:func:`evals.math.report.add_comparisons` lists.  Writes PREFIX.json,
+PREFIX.md, PREFIX.png and, with early stop, PREFIX_tradeoff.png.
 
 Without an engine: ``--dry-run`` validates, loads the problems and prints them
 with their prompts and the configs to run as JSON; ``--from-json PREFIX.json``

@@ -40,17 +40,23 @@ def server_args(model: str, spec: bool, max_num_seqs: int | None, max_model_len:
     return args
 
 
+def _stats(pids=None) -> dict[int, list[str]]:
+    """/proc/PID/stat's fields after the command name, per live ``pids``
+    (default: every process): state, ppid, pgrp, ..."""
+    out = {}
+    for pid in [int(e) for e in os.listdir("/proc") if e.isdigit()] if pids is None else pids:
+        try:
+            out[pid] = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+    return out
+
+
 def process_tree(pid: int) -> list[int]:
     """``pid`` and its live descendants, read from /proc."""
     children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
+    for child, fields in _stats().items():
+        children.setdefault(int(fields[1]), []).append(child)
     out, todo = [], [pid]
     while todo:
         p = todo.pop()
@@ -61,30 +67,13 @@ def process_tree(pid: int) -> list[int]:
 
 def tree_cpu_s(pid: int) -> float:
     """user + system CPU seconds of ``pid`` and its live descendants."""
-    tick, total = os.sysconf("SC_CLK_TCK"), 0
-    for p in process_tree(pid):
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
-        except (OSError, ValueError, IndexError):
-            continue
-    return total / tick
+    ticks = sum(int(f[11]) + int(f[12]) for f in _stats(process_tree(pid)).values())
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def process_group(pgid: int) -> list[int]:
     """Live (non-zombie) processes whose process group is ``pgid``."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            out.append(int(entry))
-    return out
+    return [pid for pid, f in _stats().items() if int(f[2]) == pgid and f[0] != "Z"]
 
 
 class VllmServer:
@@ -161,12 +150,9 @@ class VllmServer:
                 self.proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
                 pass
-        deadline = time.monotonic() + 10.0
-        while process_group(pgid) and time.monotonic() < deadline:
-            if self.proc.poll() is not None:  # leader gone, children lingering
-                time.sleep(0.5)
-            else:
-                break
+        deadline = time.monotonic() + 10.0  # leader gone, children lingering: wait for them
+        while self.proc.poll() is not None and process_group(pgid) and time.monotonic() < deadline:
+            time.sleep(0.5)
         self.leftover = process_group(pgid)
         if self.leftover or self.proc.poll() is None:
             try:
@@ -187,20 +173,15 @@ class VllmServer:
 
     def log_text(self, until_stop: bool = False) -> str:
         """The log (up to the moment :meth:`stop` began, if ``until_stop``)."""
-        try:
-            data = self.log_path.read_bytes()
-        except OSError:
-            return ""
-        if until_stop and self.stop_offset is not None:
-            data = data[:self.stop_offset]
-        return data.decode(errors="replace")
+        return self._read(0, self.stop_offset if until_stop else None)
 
     def shutdown_log(self) -> str:
         """What the server logged while being stopped."""
-        if self.stop_offset is None:
-            return ""
+        return "" if self.stop_offset is None else self._read(self.stop_offset, None)
+
+    def _read(self, start: int, end: int | None) -> str:
         try:
-            return self.log_path.read_bytes()[self.stop_offset:].decode(errors="replace")
+            return self.log_path.read_bytes()[start:end].decode(errors="replace")
         except OSError:
             return ""
 

@@ -3,16 +3,11 @@ checks", says what each measures and why).
 
     python -m evals gpu-check [--out DIR] [--toy] [--device cuda]
 
-1. ``gather``: the table gather (:class:`consensus_spec.device_route.table.ContextTable`),
-   eager and replayed from a ``torch.cuda.CUDAGraph``; target <= 0.03 ms.
-2. ``overlap``: Qwen2.5-7B-shaped bf16 GEMMs (the decode step's weights) on
-   the main stream, pinned -> device copies on a side stream each step: the
-   loop's slowdown (target < 2%) and each copy's latency.
-3. ``lag``: the same loop as async scheduling runs it, each step's tokens
-   copied to pinned memory without blocking: after how many steps each copy
-   is visible, with and without 0.3 ms of GIL-holding Python per step;
-   target >= 95% at lag 1.
-4. ``step_costs``: the GEMM stack's time beside the H200 table's ``gemm_ms``.
+``--checks``: ``gather`` (the table gather of
+:class:`consensus_spec.device_route.table.ContextTable`, eager and from a CUDA
+graph), ``overlap`` (pinned -> device copies beside Qwen2.5-7B-shaped GEMMs),
+``lag`` (device -> host copies under async scheduling), ``step_costs`` (the
+GEMM stack against the H200 table's ``gemm_ms``).
 
 Writes ``gpu_check.jsonl`` in ``--out`` (default ``$OUT`` or ``results/``),
 one record per measurement, and prints a summary. About 5 minutes on one

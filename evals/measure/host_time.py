@@ -3,10 +3,9 @@
     python -m evals host-time [--model DIR] [--batches 16 64 128 256] [--steps 48]
                               [--out results/host_time.jsonl]
 
-vLLM overlaps the host's per-step work (scheduling, input preparation,
-bookkeeping of the sampled tokens, output building) with the model step when
-async scheduling is on, and switches async scheduling off for
-``custom_class``, ``suffix`` and CPU ``ngram`` drafters. This runs the engine
+The host's per-step work (scheduling, input preparation, bookkeeping of the
+sampled tokens, output building) is what async scheduling hides
+(``evals/replay/projection.py`` says when vLLM keeps it). This runs the engine
 in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), without speculation
 and with async scheduling off, and times every ``EngineCore.step``; the
 "device" part of a step is the model forward, the logits and the sampler

@@ -26,11 +26,11 @@ median over repeats of the ratio within each repeat).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import time
-from contextlib import contextmanager
 
 from ..options import write_jsonl
 
@@ -67,7 +67,7 @@ def measure(llm, batch: int, q: int, steps: int, prompt: str, temperature: float
     return wall * 1000 / steps_run, cpu * 1000 / steps_run  # one token per row per step
 
 
-@contextmanager
+@contextlib.contextmanager
 def unpatched():
     """The rejection sampler as vLLM ships it, for the duration."""
     from vllm.v1.sample import rejection_sampler as rs
@@ -131,8 +131,7 @@ def main(argv=None) -> int:
                                              "num_speculative_tokens": max(max(args.q) - 1, 1)})
     plain = None if args.no_plain else LLM(**common)
     active = compat.active()
-    patched = all(active.get(name) for name in PATCHES)
-    if args.unpatched and not patched:
+    if args.unpatched and not all(active.get(name) for name in PATCHES):
         ap.error(f"--unpatched: the patches are not active here ({active})")
     DRAFT["token"] = spec.get_tokenizer().vocab_size - 1  # rarely, if ever, sampled
     prompt = "Question: Tom has 3 apples and buys 4 more. How many apples does he have?\nAnswer:"
@@ -142,12 +141,9 @@ def main(argv=None) -> int:
     table = []
 
     def timed(kind: str, batch: int, q: int):
-        if kind == "plain":
-            return measure(plain, batch, 1, args.steps, prompt, args.temperature)
-        if kind == "unpatched":
-            with unpatched():
-                return measure(spec, batch, q, args.steps, prompt, args.temperature)
-        return measure(spec, batch, q, args.steps, prompt, args.temperature)
+        llm, q = (plain, 1) if kind == "plain" else (spec, q)
+        with unpatched() if kind == "unpatched" else contextlib.nullcontext():
+            return measure(llm, batch, q, args.steps, prompt, args.temperature)
 
     for batch in args.batches:
         kinds = ["spec"] + (["plain"] if plain is not None else []) + (["unpatched"] if args.unpatched else [])

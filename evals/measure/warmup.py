@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(_one(args.rows, args.child == "on")))
         return 0
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo
     print("| numba cache | warm-up | construct s | first propose s | later propose s |\n|---|---|---|---|---|")
     for rep in range(args.repeats):
         for warm in ("on", "off"):

@@ -24,28 +24,15 @@ from .projection import DEFAULT_COSTS, HostTime, StepCosts, break_even_host_ms, 
 DEFAULT_HOST_TIME = "results/host_time.jsonl"
 
 
-def schedule_from_ks(ks: dict[int, int]) -> list[tuple[int, int, int]]:
-    """vLLM ``num_speculative_tokens_per_batch_size`` giving each measured
-    batch size its k: batch sizes up to the smallest get its k, each next
-    range starts one above the previous size; vLLM carries the last k on."""
-    out, start = [], 1
-    for b in sorted(ks):
-        out.append((start, b, int(ks[b])))
-        start = b + 1
-    return out
-
-
-def describe_schedule(ks: dict[int, int]) -> str:
-    return ", ".join(f"B{b}→" + (f"k{ks[b]}" if ks[b] else "off") for b in sorted(ks))
-
-
 def pick_schedule(rows: list[dict], key: str = "speedup") -> dict:
     """Best k per batch size from sweep rows ``{"batch", "k", "params", key}``.
 
     Engine-wide settings (``params``: suffix's min_token_prob and spec factor
     hold for every batch size) are chosen together: the setting whose best
     per-batch speedups have the highest geometric mean. Ties go to the
-    smaller k."""
+    smaller k.  The schedule (vLLM's ``num_speculative_tokens_per_batch_size``)
+    gives batch sizes up to the smallest measured one its k, each next range
+    starting one above the previous size; vLLM carries the last k on."""
     by_params: dict[str, list[dict]] = {}
     for r in rows:
         by_params.setdefault(json.dumps(r.get("params") or {}, sort_keys=True), []).append(r)
@@ -61,8 +48,9 @@ def pick_schedule(rows: list[dict], key: str = "speedup") -> dict:
             best = {"params": json.loads(params), "k": ks, "speedup": speedups, "score": score}
     if best is None:
         raise ValueError("no sweep rows to pick a schedule from")
-    best["schedule"] = schedule_from_ks(best["k"])
-    best["text"] = describe_schedule(best["k"])
+    sizes = sorted(best["k"])
+    best["schedule"] = [(lo, b, int(best["k"][b])) for lo, b in zip([1] + [b + 1 for b in sizes], sizes)]
+    best["text"] = ", ".join(f"B{b}→" + (f"k{best['k'][b]}" if best["k"][b] else "off") for b in sizes)
     return best
 
 
@@ -75,7 +63,8 @@ class CpuTimed:
         self.fn = fn
         self.cpu_s = 0.0
         self.rows = 0
-        self.per_call: list[float] = []
+        self.call_s: list[float] = []    # CPU seconds per call
+        self.per_call: list[float] = []  # and per row, in µs
         self.calls: list[list] | None = [] if log else None
 
     def __call__(self, sampled, batch):
@@ -84,6 +73,7 @@ class CpuTimed:
         dt = time.process_time() - t0
         self.cpu_s += dt
         self.rows += len(sampled)
+        self.call_s.append(dt)
         self.per_call.append(dt * 1e6 / max(len(sampled), 1))
         if self.calls is not None:
             self.calls.append([len(sampled), sorted({len(d) for d in out})])
@@ -158,8 +148,8 @@ class Bench:
             h = self.host.host_ms(b) * self.args.host_time_scale
             row["host_ms"] = h
             # no drafting runs with async scheduling: it is the baseline itself
-            row["speedup_async"] = 1.0 if none else self.costs.speedup_async_aware(b, tau, d, c, h)
-            row["speedup_both_sync"] = 1.0 if none else self.costs.speedup_both_sync(b, tau, d, c, h)
+            row["speedup_async"] = 1.0 if none else self.costs.speedup(b, tau, d, c, h, async_base=True)
+            row["speedup_both_sync"] = 1.0 if none else self.costs.speedup(b, tau, d, c, h)
         return row
 
     def clock(self, method: str) -> VirtualClock | None:
@@ -168,8 +158,10 @@ class Bench:
             return None
         return VirtualClock(self.costs.step_ms_clamped)
 
-    def run(self, problems, name: str, method: str, batch: int, scouts: int = 0,
-            schedule=None, suffix_options: dict | None = None, tag: str = "") -> dict:
+    def builder(self, problems, method: str, batch: int, scouts: int = 0, schedule=None,
+                suffix_options: dict | None = None):
+        """``build(clock, memory=None)``: ``method``'s drafter for ``problems`` at ``batch``
+        rows; the first for a method replays one problem untimed (compiled code loaded)."""
         k = self.args.k
 
         def build(clock, memory=None):
@@ -178,10 +170,16 @@ class Bench:
                                 suffix_options=suffix_options, clock=clock,
                                 model=memory.model if memory else None)
 
-        if method not in self.warmed:  # load compiled code before anything is timed
+        if method not in self.warmed:
             clock = self.clock(method)
             replay(problems[:1], build(clock), method, k, batch, scouts, clock=clock)
             self.warmed.add(method)
+        return build
+
+    def run(self, problems, name: str, method: str, batch: int, scouts: int = 0,
+            schedule=None, suffix_options: dict | None = None, tag: str = "") -> dict:
+        k = self.args.k
+        build = self.builder(problems, method, batch, scouts, schedule, suffix_options)
         clock = self.clock(method)
         memory = for_run(self.args, self.costs, method, clock, name, batch, tag)
         inner = build(clock, memory)

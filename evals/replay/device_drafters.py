@@ -219,32 +219,14 @@ class DeviceRouteDrafter:
 # -- The speculator: vLLM's classes on CPU tensors
 
 
-def _cpu_request_state(max_rows: int, max_len: int, k: int):
-    import torch
-    from vllm.v1.worker.gpu import buffer_utils
-    from vllm.v1.worker.gpu.states import RequestState
-
-    uva = buffer_utils.is_uva_available
-    buffer_utils.is_uva_available = lambda: False  # no pinned memory on this CPU
-    try:
-        return RequestState(max_rows, max_len, max_rows * (k + 1), k, 1 << 21,
-                            torch.device("cpu"), use_dense_all_token_ids=True)
-    finally:
-        buffer_utils.is_uva_available = uva
-
-
-def _batch_template(max_rows: int):
-    import torch
-    from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
-
-    return InputBatch.make_dummy(1, 1, InputBuffers(max_rows, max_rows, torch.device("cpu")))
-
-
 class SpeculatorDrafter:
     """``(sampled, batch) -> drafts`` through ``ConsensusDeviceSpeculator``."""
 
     def __init__(self, lag: int, k_at, k: int, max_len: int, max_rows: int, options: dict | None = None):
         import torch
+        from vllm.v1.worker.gpu import buffer_utils
+        from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+        from vllm.v1.worker.gpu.states import RequestState
 
         from consensus_spec.vllm.device_route import speculator_class
 
@@ -255,9 +237,15 @@ class SpeculatorDrafter:
                               scheduler_config=SimpleNamespace(max_num_seqs=max_rows),
                               model_config=SimpleNamespace(max_model_len=max_len),
                               additional_config={"consensus_spec": section})
-        self.states = _cpu_request_state(max_rows, max_len, k)
-        self.speculator = speculator_class()(cfg, torch.device("cpu"), self.states)
-        self.template = _batch_template(max_rows)
+        cpu, uva = torch.device("cpu"), buffer_utils.is_uva_available
+        buffer_utils.is_uva_available = lambda: False  # no pinned memory on this CPU
+        try:
+            self.states = RequestState(max_rows, max_len, max_rows * (k + 1), k, 1 << 21, cpu,
+                                       use_dense_all_token_ids=True)
+        finally:
+            buffer_utils.is_uva_available = uva
+        self.speculator = speculator_class()(cfg, cpu, self.states)
+        self.template = InputBatch.make_dummy(1, 1, InputBuffers(max_rows, max_rows, cpu))
         self.torch = torch
         self.digest = hashlib.sha1()
         self.calls = 0

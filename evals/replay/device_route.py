@@ -27,11 +27,10 @@ def table(results: list[dict]) -> str:
     for name in dict.fromkeys(r["traces"] for r in results):
         for batch in sorted({r["batch"] for r in results if r["traces"] == name}):
             for method, label, view in VARIANTS:
-                run = [r for r in results if r["traces"] == name and r["batch"] == batch
-                       and r["method"] == method]
-                if not run:
+                r = next((r for r in results if r["traces"] == name and r["batch"] == batch
+                          and r["method"] == method), None)
+                if r is None:
                     continue
-                r = run[0]
                 k = r.get("k_at_batch", "–") if method != "consensus" else "per row"
                 cells = [(f"**{r[v]:.2f}**" if v == view else f"{r[v]:.2f}") if v in r else "–"
                          for v in ("speedup", "speedup_async")]

@@ -117,12 +117,9 @@ def run(args, log=print) -> list[dict]:
                         continue
                     r = replay_dp(problems, method, args.k, args.rows, dp, routing, length, options)
                     row[routing] = r["tau"]
-                    row[f"{routing}_acceptance"] = r["acceptance"]
-                    row[f"{routing}_load_max_over_mean"] = r["load_max_over_mean"]
-                    for key in ("tokens", "row_steps"):
-                        row[f"{routing}_{key}"] = r[key]
-                    # per engine: [problem id, paths routed to it] in submission order
-                    row[f"{routing}_shares"] = r["shares"]
+                    # shares: per engine, [problem id, paths routed to it] in submission order
+                    row.update({f"{routing}_{key}": r[key] for key in (
+                        "acceptance", "load_max_over_mean", "tokens", "row_steps", "shares")})
                 if not args.no_baseline:
                     row["one_engine_rows_per_engine"] = (
                         row[ROUTINGS[0]] if dp == 1 else
@@ -136,7 +133,7 @@ def run(args, log=print) -> list[dict]:
 
 
 def markdown(results: list[dict], rows: int) -> str:
-    lines = [f"| traces | method | D | rows/engine | tau round-robin | tau pinned | "
+    lines = ["| traces | method | D | rows/engine | tau round-robin | tau pinned | "
              "tau one engine @ rows/D | pinned load max/mean |", "|" + "---|" * 8]
     for r in results:
         base = r.get("one_engine_rows_per_engine")

@@ -42,15 +42,11 @@ SUFFIX_DEFAULTS = dict(suffix_decoding_max_tree_depth=24, suffix_decoding_max_ca
 
 
 def stand_in_config(k: int, max_model_len: int, max_num_seqs: int, **spec) -> SimpleNamespace:
-    """The parts of ``VllmConfig`` the model-free proposers read, with vLLM's defaults."""
-    spec_defaults = dict(
-        num_speculative_tokens=k,
-        prompt_lookup_min=5, prompt_lookup_max=5,  # vLLM's ngram defaults
-        **SUFFIX_DEFAULTS,
-    )
-    spec_defaults.update(spec)
+    """The parts of ``VllmConfig`` the model-free proposers read, with vLLM's
+    defaults (ngram's lookup 5..5, suffix's ``SUFFIX_DEFAULTS``) under ``spec``."""
     return SimpleNamespace(
-        speculative_config=SimpleNamespace(**spec_defaults),
+        speculative_config=SimpleNamespace(**{"num_speculative_tokens": k, "prompt_lookup_min": 5,
+                                              "prompt_lookup_max": 5, **SUFFIX_DEFAULTS, **spec}),
         model_config=SimpleNamespace(max_model_len=max_model_len),
         scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
         parallel_config=SimpleNamespace(tensor_parallel_size=1),

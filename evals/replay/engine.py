@@ -27,6 +27,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -125,6 +126,19 @@ class _Row:
     def __init__(self, problem: int, path: int, seq: list[int], n: int):
         self.req_id = _req_id(problem, path)
         self.problem, self.path, self.seq, self.n, self.done = problem, path, seq, n, False
+
+
+class Queued:
+    """Admission of the (problem, path) ``keys`` in order, aborting nothing."""
+
+    def __init__(self, keys):
+        self.queue = deque(keys)
+
+    def pop(self):
+        return self.queue.popleft() if self.queue else None
+
+    def finished(self, problem: int, path: int) -> list[tuple[int, int]] | None:
+        return None
 
 
 class _Admission:
@@ -268,8 +282,4 @@ def _condense(rows, sampled, drafts, batch, set_row) -> None:
         del drafts[live:]
 
 
-class _Done:
-    done = True
-
-
-_DONE = _Done()
+_DONE = SimpleNamespace(done=True)  # what a moved row leaves behind

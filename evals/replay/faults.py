@@ -74,34 +74,30 @@ def run(problems, batch: int, k: int, every: int, seed: int = 0):
         proposer = ConsensusProposer(cfg, online_costs=False)  # no wall-clock learning: the
         #                                                       three runs differ by the faults alone
         rng = np.random.default_rng(seed)
-        calls = [0]
-        escaped = []
-        wrong_shape = [0]
+        run = {"steps": 0, "escaped": [], "wrong_shape": 0}
         curve = curves[label] = [(0, 0)]  # cumulative (tokens, row steps) after each step
 
-        def drafter(sampled, b, proposer=proposer, rng=rng, calls=calls, escaped=escaped,
-                    wrong_shape=wrong_shape, label=label):
-            calls[0] += 1
+        def drafter(sampled, b):
+            run["steps"] += 1
             args = (sampled, b.num_tokens_no_spec, b.token_ids_cpu)
-            if label == "corrupted" and calls[0] % every == 0:
-                kind = KINDS[(calls[0] // every - 1) % len(KINDS)]
+            if label == "corrupted" and run["steps"] % every == 0:
+                kind = KINDS[(run["steps"] // every - 1) % len(KINDS)]
                 args = corrupt(kind, *args, rng)
-            if label == "reset" and calls[0] % every == 0:
+            if label == "reset" and run["steps"] % every == 0:
                 fail_once(proposer)
             try:
                 drafts = proposer.propose(*args)
             except Exception as e:  # noqa: BLE001 - counted: the target is none
-                escaped.append(repr(e))
+                run["escaped"].append(repr(e))
                 drafts = [[] for _ in sampled]
             if not isinstance(drafts, list) or len(drafts) != len(sampled):
-                wrong_shape[0] += 1
+                run["wrong_shape"] += 1
                 drafts = [[] for _ in sampled]
             return drafts
 
         stats = replay(problems, drafter, "consensus", k, batch,
-                       on_step=lambda st, curve=curve: curve.append((st.tokens, st.row_steps)))
-        result[label] = {"tau": stats.tau, "steps": calls[0], "escaped": escaped,
-                         "wrong_shape": wrong_shape[0], **proposer.counters()}
+                       on_step=lambda st: curve.append((st.tokens, st.row_steps)))
+        result[label] = {"tau": stats.tau, **run, **proposer.counters()}
     result["corrupted_steps"] = result["corrupted"]["steps"] // every
     result["tau_ratio"] = result["corrupted"]["tau"] / result["clean"]["tau"]
     result["reset_tau_ratio"] = result["reset"]["tau"] / result["clean"]["tau"]

@@ -79,10 +79,6 @@ class StepCosts:
         return cls([{"B": b, "q": q, "ms": float(model.step_ms(b, q))}
                     for b in (1, 8, 16, 32, 64, 128, 256) for q in (1, 2, 3, 5, 9, 17)])
 
-    def rows(self) -> list[dict]:
-        return [{"B": b, "q": float(q), "ms": float(m)}
-                for b, (qs, ms) in sorted(self._table.items()) for q, m in zip(qs, ms)]
-
     def with_slope_scale(self, scale: float) -> "StepCosts":
         """The same table with every step's cost above one token per row
         times ``scale``: T'(B, q) = T(B, 1) + scale (T(B, q) - T(B, 1))."""
@@ -120,25 +116,16 @@ class StepCosts:
         sizes = self.batch_sizes
         return self.step_ms_between(min(max(batch, sizes[0]), sizes[-1]), q)
 
-    def speedup(self, batch: int, tau: float, drafts_per_step: float, drafter_us_per_row: float) -> float:
-        """Async-unaware: host time left out of both sides."""
+    def speedup(self, batch: int, tau: float, drafts_per_step: float, drafter_us_per_row: float,
+                host_ms: float = 0.0, async_base: bool = False) -> float:
+        """Drafting over no drafting, both without async scheduling and paying
+        ``host_ms`` per step (0: async-unaware, host time left out of both);
+        ``async_base``: no drafting keeps async scheduling, its host time
+        hidden behind the step (the async-aware view)."""
         c_ms = drafter_us_per_row * batch / 1000.0
-        return tau * self.step_ms(batch, 1.0) / (self.step_ms(batch, 1.0 + drafts_per_step) + c_ms)
-
-    def speedup_async_aware(self, batch: int, tau: float, drafts_per_step: float,
-                            drafter_us_per_row: float, host_ms: float) -> float:
-        """No drafting with async scheduling (host time hidden behind the
-        step) against a drafting engine without it (host time serial)."""
-        c_ms = drafter_us_per_row * batch / 1000.0
-        base = max(self.step_ms(batch, 1.0), host_ms)
+        t1 = self.step_ms(batch, 1.0)
+        base = max(t1, host_ms) if async_base else t1 + host_ms
         return tau * base / (self.step_ms(batch, 1.0 + drafts_per_step) + c_ms + host_ms)
-
-    def speedup_both_sync(self, batch: int, tau: float, drafts_per_step: float,
-                          drafter_us_per_row: float, host_ms: float) -> float:
-        """Both engines without async scheduling, host time counted in both."""
-        c_ms = drafter_us_per_row * batch / 1000.0
-        return (tau * (self.step_ms(batch, 1.0) + host_ms)
-                / (self.step_ms(batch, 1.0 + drafts_per_step) + c_ms + host_ms))
 
 
 class HostTime:
@@ -167,10 +154,6 @@ class HostTime:
             raise ValueError(f"{path}: rows need B and host_ms ({e})") from None
         table.source = path
         return table
-
-    @property
-    def batch_sizes(self) -> list[int]:
-        return [int(b) for b in self.b]
 
     def host_ms(self, batch: int) -> float:
         return max(_along(batch, self.b, self.ms), 0.0)

@@ -57,10 +57,9 @@ def markdown(results: list[dict], tuned: dict, host: HostTime | None = None) -> 
         for batch in dict.fromkeys(r["batch"] for r in rows):
             for scouts in dict.fromkeys(r["scouts"] for r in rows):
                 label = f"{batch}" + (f", {scouts} scout" if scouts else "")
-                cells, best = [], max((r.get("speedup", 0.0) for r in rows if r["batch"] == batch
-                                       and r["scouts"] == scouts and r["method"] in BASELINES
-                                       ), default=1.0)
-                best = max(best, 1.0)  # and no drafting
+                cells, best = [], max([1.0] + [r.get("speedup", 0.0) for r in rows  # none, baselines
+                                               if r["batch"] == batch and r["scouts"] == scouts
+                                               and r["method"] in BASELINES])
                 for m in methods:
                     runs = [r for r in rows if r["batch"] == batch and r["scouts"] == scouts
                             and r["method"] == m]

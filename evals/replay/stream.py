@@ -17,7 +17,9 @@ fails or a drafting step failed.
 from __future__ import annotations
 
 import argparse
+import bisect
 import gc
+import itertools
 import random
 import resource
 import sys
@@ -196,11 +198,7 @@ def run(args) -> dict:
         gc.freeze()  # as vLLM's engine core does after start-up: the harness's traces
         #              (millions of Python ints) must not make GC pauses inside propose()
         if per_pass > left:  # the last pass: just enough problems
-            n = total = 0
-            while total < left:
-                total += produced(batch[n])
-                n += 1
-            batch = batch[:n]
+            batch = batch[:bisect.bisect_left(list(itertools.accumulate(map(produced, batch))), left) + 1]
         stats = replay(batch, drafter, "consensus", args.k, args.rows, on_step=monitor)
         monitor.end_pass(stats)
         left -= stats.tokens

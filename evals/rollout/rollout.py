@@ -4,26 +4,12 @@
                             [--group 8] [--requests] [--temperature 1.0] [--max-tokens 160]
                             [--methods none consensus suffix ngram] [--runs 3] [--out PREFIX]
 
-What GRPO-style trainers do with vLLM: every prompt's G samples submitted at
-once through ``LLM.generate`` (G as ``n``, or with ``--requests`` as G separate
-requests), and the batch waits for its longest row.  Each method runs on a
-fresh engine per run (drafters and the prefix cache would otherwise remember
-the previous run's rollouts of the same prompts), runs in alternating order
-(forward, then backward), with the engine's batch as large as the rollout
-batch (``--max-num-seqs``, default P x G: nothing waits, nothing refills).
-
-Reported per method (median over runs, every run in the JSON): the makespan
-(the ``generate`` call), the tail (from the step that brought the batch to
-90% of its tokens to its last token), tokens per second, CPU time of this
-process beside wall time (the engine runs in it: VLLM_ENABLE_V1_MULTIPROCESSING=0
-unless set otherwise), tokens per row-step before and after the batch starts
-draining, and each ratio against ``none`` (median over median, measured
-side by side on this machine).
-
-Methods: ``none``; ``consensus`` (this package, ``engine_args(--k)``);
-vLLM's ``suffix`` at its defaults (arctic-inference; ``num_speculative_tokens``
-from its tree depth, 24, ``--suffix-k`` to set it) and ``ngram`` (prompt
-lookup, ``--ngram-k`` tokens, n-grams ``--ngram-lookup`` MIN MAX).
+docs/rollouts.md says how the batch is submitted (one ``LLM.generate``, G as
+``n`` or ``--requests``), what each method runs with and what is reported.
+Each method runs on a fresh engine per run, in alternating order; figures are
+medians over runs (every run in the JSON), ratios against ``none`` median
+over median.  The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0
+unless set otherwise), so its CPU time is this process's.
 """
 
 from __future__ import annotations
@@ -35,7 +21,7 @@ import statistics
 import sys
 import time
 
-from ..options import parse_options, write_results
+from ..options import add_option_arg, fail, parse_options, write_results
 
 METHODS = ("none", "consensus", "suffix", "ngram")
 
@@ -56,8 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--runs", type=int, default=1, help="runs per method, in alternating order")
     ap.add_argument("--k", type=int, default=8, help="consensus num_speculative_tokens")
-    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                    help="consensus drafter option (repeatable)")
+    add_option_arg(ap, "consensus drafter option (repeatable)")
     ap.add_argument("--suffix-k", type=int, help="suffix num_speculative_tokens (default: vLLM's)")
     ap.add_argument("--ngram-k", type=int, default=5, help="ngram num_speculative_tokens")
     ap.add_argument("--ngram-lookup", type=int, nargs=2, default=[2, 4], metavar=("MIN", "MAX"))
@@ -85,32 +70,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def spec_config(method: str, args) -> dict | None:
-    if method == "none":
-        return None
-    if method == "consensus":
-        from consensus_spec import engine_args
-        return engine_args(args.k, **args.drafter_options)["speculative_config"]
-    if method == "suffix":
-        return {"method": "suffix", **({"num_speculative_tokens": args.suffix_k} if args.suffix_k else {})}
-    return {"method": "ngram", "num_speculative_tokens": args.ngram_k,
-            "prompt_lookup_min": args.ngram_lookup[0], "prompt_lookup_max": args.ngram_lookup[1]}
-
-
-def build_llm(method: str, args):
-    from vllm import LLM
-
-    from ..math.llm import engine_options, on_cpu
-
-    kwargs = dict(model=args.model, speculative_config=spec_config(method, args), seed=args.seed,
-                  additional_config=engine_options(method, args), dtype=args.dtype,
-                  gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-                  enforce_eager=on_cpu() if args.enforce_eager is None else args.enforce_eager)
-    if args.max_model_len is not None:
-        kwargs["max_model_len"] = args.max_model_len
-    return LLM(**kwargs)
-
-
 def submit(llm, prompts: list[str], args, max_tokens: int):
     """One rollout batch through ``LLM.generate``: (outputs, steps, wall s, CPU s)."""
     from vllm import SamplingParams
@@ -127,11 +86,11 @@ def submit(llm, prompts: list[str], args, max_tokens: int):
 
 
 def run_one(method: str, args, prompts: list[str], warm: list[str], run: int) -> dict:
-    from ..math.llm import proposer_counters, shutdown
+    from ..math.llm import build_llm, proposer_counters, shutdown, spec_config
     from .timeline import summarize
 
     t0 = time.perf_counter()
-    llm = build_llm(method, args)
+    llm = build_llm(method, args, log_stats=False)
     startup = time.perf_counter() - t0
     try:
         # warm-up at the batch's shape on other prompts (drafters must not see these), not timed
@@ -203,12 +162,9 @@ def main(argv=None) -> int:
         args.model = resolve_model(args.model)
         problems = load_problems(args.dataset, limit=2 * args.prompts)
     except (UsageError, DatasetError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     if len(problems) < 2 * args.prompts:  # the second P warm each engine up
-        print(f"error: {args.dataset} has {len(problems)} problems, the run needs 2 x --prompts",
-              file=sys.stderr)
-        return 2
+        return fail(f"{args.dataset} has {len(problems)} problems, the run needs 2 x --prompts")
     tokenizer = None
     if any(p.kind != "synthetic" for p in problems):
         from transformers import AutoTokenizer
@@ -225,7 +181,3 @@ def main(argv=None) -> int:
     payload = {"args": {k: v for k, v in vars(args).items()}, "prompt_example": prompts[0], "results": rows}
     write_results(args.out, payload, table)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

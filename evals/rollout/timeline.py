@@ -5,14 +5,9 @@
 ``LLM.generate`` runs: the outputs pass through unchanged, and each step's
 arrival time, the tokens it produced (``new_token_ids``: the accepted draft
 tokens and the bonus token), the rows that produced them and the rows that
-finished are noted.  Nothing inside vLLM changes.
-
-:func:`summarize` turns the steps into the batch's figures: the makespan
-(the whole ``generate`` call, tokenization and prefill included), the tail
-(time from the step that brought the batch to 90% of its tokens to the end),
-tokens per second, and tokens per row-step before and after the batch starts
-draining (the first step in which a row finished; with the whole batch
-admitted at once, rows only leave from then on).
+finished are noted.  Nothing inside vLLM changes.  :func:`summarize` turns
+the steps into the figures docs/rollouts.md lists (draining starts with the
+first step in which a row finished).
 """
 
 from __future__ import annotations
@@ -36,7 +31,6 @@ class StepRecorder:
         self.core = llm.llm_engine.engine_core
         self.steps: list[Step] = []
         self.t0 = 0.0
-        self.t_end = 0.0
 
     def __enter__(self) -> "StepRecorder":
         inner = self.core.get_output
@@ -59,7 +53,6 @@ class StepRecorder:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.t_end = time.perf_counter() - self.t0
         del self.core.get_output
 
 
