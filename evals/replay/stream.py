@@ -198,7 +198,7 @@ def run(args) -> dict:
         gc.freeze()  # as vLLM's engine core does after start-up: the harness's traces
         #              (millions of Python ints) must not make GC pauses inside propose()
         if per_pass > left:  # the last pass: just enough problems
-            ends = list(itertools.accumulate(produced(p) for p in batch))  # tokens after each problem
+            ends = list(itertools.accumulate(produced(x) for x in batch))  # tokens after each problem
             batch = batch[:bisect.bisect_left(ends, left) + 1]
         stats = replay(batch, drafter, "consensus", args.k, args.rows, on_step=monitor)
         monitor.end_pass(stats)
