@@ -13,10 +13,12 @@ is back) ask for the voted answer of the embedded model's test problems:
   server with consensus drafting;
 - ``client-nospec``: the same client on a server without speculative decoding.
 
-One server per configuration per run, configurations in alternating order
-across runs, each at every ``--concurrency`` (one that fills the batch and
-one that does not), for each ``--max-num-seqs`` (``default``: the flag left
-out, as a server is usually started).  Each server first answers ``--warmup``
+One server per configuration per run, all up at once, each at every
+``--concurrency`` (one that fills the batch and one that does not), for
+each ``--max-num-seqs`` (``default``: the flag left out, as a server is
+usually started).  At each concurrency the configurations take turns of a
+few problems per client, in an order that alternates turn by turn and run
+by run, so a slow minute on this shared machine falls on all of them.  Each server first answers ``--warmup``
 other problems untimed: consensus drafts from other prompts' paths too, so
 a server that has just started drafts less than one that has run a while
 (on the embedded model the acceptance length rose from 2.6 to 5.8 over a
@@ -101,41 +103,74 @@ def ask(base_url: str, config: str, prob: dict, args) -> dict:
         return {"ok": False, "i": prob["i"], "s": time.monotonic() - t0, "error": repr(e)[:300]}
 
 
-def run_config(config: str, args, probs: list[dict], log_dir: Path, run: int,
-               rows: int | None, warm: list[dict] = ()) -> dict:
-    """One server for ``config``: the warm-up problems (other problems than
-    the timed ones), then every concurrency."""
+def run_configs(configs: list[str], args, probs: list[dict], log_dir: Path, run: int,
+                rows: int | None, warm: list[dict] = ()) -> dict:
+    """One server per configuration, all started at once; each answers the
+    warm-up problems (other problems than the timed ones), then at every
+    concurrency the timed problems go to the configurations in turns of a
+    few problems each (``turn_size``), the order alternating turn by turn:
+    what slows this shared machine for a minute slows every configuration
+    alike.  ``{config: {concurrency: cell}}``."""
+    import contextlib
+
+    import requests
+
     from consensus_spec.model import model_path
 
-    spec = config != "client-nospec"
-    env = {"VLLM_PLUGINS": PLUGINS, "CONSENSUS_SPEC_SC_RUN_AHEAD": args.run_ahead} \
-        if config.startswith("endpoint") else {}
-    out = {}
-    with VllmServer(server_args(model_path(), spec, rows, args.max_model_len),
-                    log_dir / f"run{run}_{config}_{rows or 'default'}.log", env) as server:
-        server.wait_ready()
+    out: dict = {c: {} for c in configs}
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for config in configs:
+            env = {"VLLM_PLUGINS": PLUGINS, "CONSENSUS_SPEC_SC_RUN_AHEAD": args.run_ahead} \
+                if config.startswith("endpoint") else {}
+            servers[config] = stack.enter_context(VllmServer(
+                server_args(model_path(), config != "client-nospec", rows, args.max_model_len),
+                log_dir / f"run{run}_{config}_{rows or 'default'}.log", env))
+        for server in servers.values():
+            server.wait_ready()
         # warm-up, not timed: a server that has run a while (consensus drafts
         # from other prompts' paths too, and those accumulate), at the
         # highest concurrency
-        with cf.ThreadPoolExecutor(max(args.concurrency)) as pool:
-            list(pool.map(lambda p: ask(server.base_url, config, p, args),
-                          [{**w, "i": -1} for w in warm] or [{**probs[0], "i": -1}]))
+        for config, server in servers.items():
+            with cf.ThreadPoolExecutor(max(args.concurrency)) as pool:
+                list(pool.map(lambda p: ask(server.base_url, config, p, args),
+                              [{**w, "i": -1} for w in warm] or [{**probs[0], "i": -1}]))
         for conc in args.concurrency:
-            cpu0, wall0, proc0 = server.cpu_s(), time.monotonic(), time.process_time()
-            with cf.ThreadPoolExecutor(conc) as pool:
-                records = list(pool.map(lambda p: ask(server.base_url, config, p, args), probs))
-            wall = time.monotonic() - wall0
-            out[conc] = {"records": records, "wall_s": wall, "server_cpu_s": server.cpu_s() - cpu0,
-                         "client_cpu_s": time.process_time() - proc0}
-            if config.startswith("endpoint"):  # what run-ahead decided and the costs it saw
-                import requests
-                out[conc]["state"] = requests.get(server.base_url + "/v1/self_consistency/state",
-                                                  timeout=30).json()
-            print(f"  run {run} {config:15s} rows {rows or 'default'} concurrency {conc:3d}: "
-                  f"{len(probs) / wall:6.3f} "
-                  f"answers/s, wall {wall:6.1f} s, server CPU {out[conc]['server_cpu_s']:6.1f} s",
-                  flush=True)
+            size = turn_size(conc, len(probs))
+            for turn, first in enumerate(range(0, len(probs), size)):
+                order = configs if (run + turn) % 2 == 0 else configs[::-1]
+                for config in order:
+                    server = servers[config]
+                    # untimed: a server that sat out the other turns answers its
+                    # first request slowly (1.5-2 s against 0.6 s here: this
+                    # machine pages an idle process's memory out)
+                    ask(server.base_url, config, {**(warm or probs)[turn % len(warm or probs)],
+                                                  "i": -1}, args)
+                    cpu0, wall0, proc0 = server.cpu_s(), time.monotonic(), time.process_time()
+                    with cf.ThreadPoolExecutor(conc) as pool:
+                        records = list(pool.map(lambda p: ask(server.base_url, config, p, args),
+                                                probs[first:first + size]))
+                    cell = out[config].setdefault(conc, {"records": [], "wall_s": 0.0,
+                                                         "server_cpu_s": 0.0, "client_cpu_s": 0.0})
+                    cell["records"] += records
+                    cell["wall_s"] += time.monotonic() - wall0
+                    cell["server_cpu_s"] += server.cpu_s() - cpu0
+                    cell["client_cpu_s"] += time.process_time() - proc0
+            for config, server in servers.items():
+                cell = out[config][conc]
+                if config.startswith("endpoint"):  # what run-ahead decided and the costs it saw
+                    cell["state"] = requests.get(server.base_url + "/v1/self_consistency/state",
+                                                 timeout=30).json()
+                print(f"  run {run} {config:15s} rows {rows or 'default'} concurrency {conc:3d}: "
+                      f"{len(probs) / cell['wall_s']:6.3f} answers/s, wall {cell['wall_s']:6.1f} s, "
+                      f"server CPU {cell['server_cpu_s']:6.1f} s", flush=True)
     return out
+
+
+def turn_size(concurrency: int, problems: int) -> int:
+    """Problems a configuration answers in one turn: a few per client, so
+    the clients keep the server as loaded as they would without turns."""
+    return min(problems, max(8, 6 * concurrency))
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -291,10 +326,8 @@ def main(argv=None) -> int:
           f"{args.problems} problems, n {args.n}, {args.runs} run(s); cpus {os.cpu_count()}")
     runs = {rows: [] for rows in args.rows}
     for run in range(args.runs):
-        order = args.configs if run % 2 == 0 else args.configs[::-1]
         for rows in args.rows:
-            runs[rows].append({config: run_config(config, args, probs, args.log_dir, run, rows, warm)
-                               for config in order})
+            runs[rows].append(run_configs(args.configs, args, probs, args.log_dir, run, rows, warm))
     tables = {rows: summarize(runs[rows], probs, args) for rows in args.rows}
     for rows, table in tables.items():
         print(markdown(table, args, rows))
