@@ -6,10 +6,12 @@ replay reuses its timing and tables."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
 import sys
+import tempfile
 import time
 
 from tqdm import tqdm
@@ -132,6 +134,7 @@ class Bench:
         self.host = host
         self.options = parse_options(args.option)
         self.warmed: set[str] = set()
+        self._truth: str | None = None  # consensus-truth's cost model (truth_table)
 
     def project(self, row: dict) -> dict:
         b, tau, d = row["batch"], row["tau"], row["drafts_per_step"]
@@ -152,6 +155,17 @@ class Bench:
             row["speedup_both_sync"] = 1.0 if none else self.costs.speedup(b, tau, d, c, h)
         return row
 
+    def truth_table(self) -> str:
+        """The projected-on table as a file a budget takes as its cost model."""
+        if self.costs is None:
+            raise ValueError("consensus-truth needs a --costs table")
+        if self._truth is None:
+            fd, self._truth = tempfile.mkstemp(prefix="replay_truth_", suffix=".jsonl")
+            with os.fdopen(fd, "w") as f:
+                f.writelines(json.dumps(row) + "\n" for row in self.costs.rows())
+            atexit.register(os.unlink, self._truth)
+        return self._truth
+
     def clock(self, method: str) -> VirtualClock | None:
         """The time consensus learns its step costs from: the cost table's."""
         if self.costs is None or self.args.online == "off" or method != "consensus":
@@ -166,6 +180,8 @@ class Bench:
 
         def build(clock, memory=None):
             options = {**self.options, **memory.options} if memory else self.options
+            if method == "consensus-truth":
+                options = {**options, "cost_model": self.truth_table()}
             return make_drafter(method, k, max_len(problems, k), batch, options, schedule=schedule,
                                 suffix_options=suffix_options, clock=clock,
                                 model=memory.model if memory else None)

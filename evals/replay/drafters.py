@@ -18,6 +18,9 @@ Methods:
 - ``consensus``: this project's proposer (``custom_class``); vLLM 0.32 passes
   custom proposers no scheduled k, so no schedule applies.
 - ``consensus-nobudget``: the same with ``cost_model=off`` (the drafter alone).
+- ``consensus-truth``: the same with its budget told the true step costs
+  (the ``--costs`` table the replay projects on, as its ``cost_model``)
+  and nothing learned: what learning is measured against.
 - ``device-lag0|1|2``: the device route's vLLM speculator itself, consensus
   tries fed sibling tokens 0, 1 or 2 steps late; ``device-emul-lag0|1|2``: the
   emulation the route was decided on, whose drafts must equal the
@@ -34,7 +37,8 @@ import numpy as np
 
 EMULATED_METHODS = ("device-emul-lag0", "device-emul-lag1", "device-emul-lag2")
 DEVICE_METHODS = ("device-lag0", "device-lag1", "device-lag2") + EMULATED_METHODS  # not run by default
-METHODS = ("none", "ngram", "suffix", "suffix-budget", "consensus-nobudget", "consensus") + DEVICE_METHODS
+METHODS = ("none", "ngram", "suffix", "suffix-budget", "consensus-nobudget", "consensus",
+           "consensus-truth") + DEVICE_METHODS
 BASELINES = ("ngram", "suffix", "suffix-budget")  # what consensus is compared against
 SCHEDULABLE = ("ngram", "suffix") + DEVICE_METHODS  # vLLM passes these the scheduled k
 SUFFIX_DEFAULTS = dict(suffix_decoding_max_tree_depth=24, suffix_decoding_max_cached_requests=10000,
@@ -229,6 +233,10 @@ def make_drafter(method: str, k: int, max_model_len: int, max_num_seqs: int,
     options = dict(consensus_options or {})
     if method == "consensus-nobudget":
         options["cost_model"] = "off"
+    if method == "consensus-truth":
+        if not str(options.get("cost_model", "")).endswith(".jsonl"):
+            raise ValueError("consensus-truth needs the true table as its cost_model (a .jsonl)")
+        options["online_costs"] = False
     if clock is None:
         options["online_costs"] = False
     p = ConsensusProposer(cfg, **options)

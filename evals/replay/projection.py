@@ -88,6 +88,11 @@ class StepCosts:
             out += [{"B": b, "q": float(q), "ms": one + scale * (float(m) - one)} for q, m in zip(qs, ms)]
         return StepCosts(out)
 
+    def rows(self) -> list[dict]:
+        """The table as {"B", "q", "ms"} rows (what it was read from, scaled)."""
+        return [{"B": b, "q": float(q), "ms": float(m)}
+                for b, (qs, ms) in sorted(self._table.items()) for q, m in zip(qs, ms)]
+
     @property
     def batch_sizes(self) -> list[int]:
         return sorted(self._table)

@@ -39,7 +39,8 @@ SWEEP_K = (0, 1, 2, 3, 4, 6, 8)
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m evals replay", description=__doc__.split("\n\n")[0])
     add_trace_args(ap)
-    ap.add_argument("--methods", nargs="+", default=[m for m in METHODS if m not in DEVICE_METHODS],
+    ap.add_argument("--methods", nargs="+",
+                    default=[m for m in METHODS if m not in DEVICE_METHODS and m != "consensus-truth"],
                     choices=METHODS, help="default: all but the device-route emulations (device-lag*)")
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens (the most any step drafts)")
     ap.add_argument("--scouts", type=int, nargs="+", default=[0], help="scout counts to run")

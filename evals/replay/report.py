@@ -13,6 +13,7 @@ LABELS = {
     "suffix-budget": "suffix + this budget",
     "consensus-nobudget": "consensus, budget off",
     "consensus": "consensus",
+    "consensus-truth": "consensus, budget told the true costs",
     **{f"device-lag{lag}": f"device route, lag {lag}" for lag in (0, 1, 2)},
     **{f"device-emul-lag{lag}": f"device route emulated, lag {lag}" for lag in (0, 1, 2)},
 }
