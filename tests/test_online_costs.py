@@ -266,3 +266,23 @@ def test_guard_learns_drafting_back_when_it_pays_again():
     assert guard.summary()["drafting_off_at_rows"] == [64]
     run_guard(guard, 64, 600, draft_rate=1500.0, plain_rate=1000.0, rng=rng)
     assert guard.summary()["drafting_off_at_rows"] == [] and guard.switches == 2
+
+
+def test_idle_time_between_requests_is_not_a_step_for_the_guard():
+    """vLLM stops calling propose while no request runs; the next call comes
+    after the idle time.  Weighed as one step, a 20 s gap made drafting look
+    a thousand times slower (or faster) than the window it was paired with,
+    and the guard switched drafting off where it paid."""
+    proposer = ConsensusProposer(stand_in())
+    clock = Clock()
+    proposer.clock = clock
+    text = [10 + (t * 3) % 10 for t in range(4000)]  # period 10: drafts pay
+    run = Siblings(proposer, 8, text, clock, linear_truth)
+    for t in range(400):
+        if t % 25 == 24:
+            clock.now += 20.0  # the engine sat idle between requests
+        run.step()
+    c = proposer.counters()
+    assert c["steps_idle"] == 400 // 25
+    assert c["guard"]["switches"] == 0 and c["guard"]["drafting_off_at_rows"] == []
+    assert c["num_accepted"] > 0.5 * 400 * 8  # drafting kept paying

@@ -55,6 +55,11 @@ def plain(value):
 
 
 LOG_EVERY_S = 300.0  # clock seconds between INFO lines on what the budget learned
+# a gap between calls this many times the usual one (and over IDLE_MIN_S) is
+# the engine idle between requests, not a step: the guard must not weigh it
+IDLE_GAP = 20.0
+IDLE_MIN_S = 0.05
+IDLE_FIRST_S = 1.0  # before any usual gap is known
 
 
 class ConsensusProposer:
@@ -83,6 +88,8 @@ class ConsensusProposer:
         self.clock = time.perf_counter  # seconds; replaceable (replay drives virtual time)
         self.steps_timed = 0        # engine steps charged to the budget's cost fit
         self.steps_unattributed = 0  # steps left out (prefill, new rows, missed steps...)
+        self.steps_idle = 0  # of those, gaps where the engine sat idle (the guard skips them)
+        self._usual_gap = None  # moving average of the time between calls, idle gaps held down
         self._last_rows = 0
         self.num_drafted = 0   # draft tokens proposed
         self.num_accepted = 0  # of those, accepted by the verifier
@@ -144,7 +151,8 @@ class ConsensusProposer:
             logger.warning("consensus_spec: warm-up failed; kernels compile on first use",
                            exc_info=True)
         self.budget = None  # nothing learned from made-up steps survives
-        self.steps_timed = self.steps_unattributed = 0
+        self.steps_timed = self.steps_unattributed = self.steps_idle = 0
+        self._usual_gap = None
         self.num_drafted = self.num_accepted = 0  # nor counted
         self._reset()
         return time.perf_counter() - t0
@@ -268,7 +276,8 @@ class ConsensusProposer:
         attributable) to the budget's cost fit; log what it learned now and then."""
         if self.budget is None or self.budget.costs is None or start is None:
             return
-        if self._last_end is not None:  # every step, clean or not, for the guard
+        if self._last_end is not None and not self._idle(start - self._last_end):
+            # every step, clean or not, for the guard
             self.budget.observe_throughput(int(self.rows.step_tokens),
                                            start - self._last_end + self._last_call_s)
         if verified is None or self._last_end is None:
@@ -288,6 +297,20 @@ class ConsensusProposer:
                         "tokens per row (prior %s, drafter %.2f ms); %d steps timed, %.1f%% "
                         "exploring", num_rows, learned["ms_per_step"], learned["prior_ms_per_step"],
                         learned["drafter_ms"], self.steps_timed, self._explore_pct())
+
+    def _idle(self, gap: float) -> bool:
+        """Whether ``gap`` (seconds from the last call's end) held idle time:
+        vLLM stops calling propose when no request runs, so the first step
+        of the next request comes after the idle time.  The usual gap moves
+        towards a long one too (held to the limit), so a lasting change in
+        step time (a larger batch) is usual again within a few steps."""
+        usual = self._usual_gap
+        limit = max(IDLE_MIN_S, IDLE_GAP * usual) if usual is not None else IDLE_FIRST_S
+        self._usual_gap = min(gap, limit) if usual is None else 0.9 * usual + 0.1 * min(gap, limit)
+        if gap > limit:
+            self.steps_idle += 1
+            return True
+        return False
 
     def _explore_pct(self) -> float:
         costs = self.budget.costs if self.budget is not None else None
@@ -327,6 +350,7 @@ class ConsensusProposer:
             return {"cost_model": self._cost_model_name, "online_costs": False}
         return {"cost_model": self._cost_model_name, "online_costs": True,
                 "steps_timed": self.steps_timed, "steps_unattributed": self.steps_unattributed,
+                "steps_idle": self.steps_idle,
                 "steps_outliers": costs.steps_rejected, "explore_pct": round(self._explore_pct(), 2),
                 "step_costs": costs.summary(self._last_rows),
                 "step_costs_by_rows": costs.learned(),
