@@ -96,7 +96,7 @@ def run_lm_eval(config: str, args, base_url: str, task: str, include: Path) -> d
         LocalCompletionsAPI.parse_generations = staticmethod(parse)
     metrics = res["results"][task]
     key = f"exact_match,maj@{args.n}" if config == "repeats" else "exact_match,strict-match"
-    samples = res["samples"][task]
+    samples = list({s["doc_id"]: s for s in res["samples"][task]}.values())  # one per filter
     if config == "repeats":
         distinct = [len({r[0] if isinstance(r, list) else r for r in s["resps"]}) for s in samples]
     else:
