@@ -91,6 +91,35 @@ def test_an_engine_that_disagrees_is_learned_then_settles_again(learned_rows):
     assert after["explored_steps"] - before["explored_steps"] <= 2
 
 
+def kinked(batch, drafted):
+    """An H200-like step whose cost jumps once a row's query passes 2 tokens:
+    a shape the bucket's three-term fit does not follow exactly."""
+    q = 1.0 + drafted / batch
+    return 20.0 + 0.05 * batch + (0.1 * drafted if q <= 2.0 else 0.1 * batch + 0.5 * (drafted - batch))
+
+
+def test_a_table_the_engine_agrees_with_is_saved_as_it_came():
+    """A profile's points go back to the next start unchanged while the engine
+    agrees with them; saving the fit instead lost the kink and drifted run by run."""
+    table = [{"B": 64, "q": q, "ms": kinked(64, (q - 1) * 64), "noise": 0.03}
+             for q in (1, 1.25, 1.5, 2, 3, 5, 9)]
+    budget = DraftBudget(COST_MODELS["h200_7b"], online=True, measured=table)
+    drive(budget, kinked, 64, 600, np.random.default_rng(3))
+    assert budget.learning_cost()["disagreements"] == 0
+    saved = budget.costs.export()
+    assert [(r["B"], r["q"], r["ms"], r["noise"]) for r in saved] == \
+        [(r["B"], r["q"], r["ms"], r["noise"]) for r in table]
+    assert all(r["drafter_ms"] > 0 for r in saved)  # the drafter's time as measured
+    # once the engine contradicts it, what is saved is what the engine said
+    tripled = lambda b, m: 20.0 + 0.05 * b + 0.9 * m  # noqa: E731
+    drive(budget, tripled, 64, 1200, np.random.default_rng(4))
+    assert budget.learning_cost()["disagreements"] >= 1
+    relearned = budget.costs.export()
+    assert sorted(r["q"] for r in relearned) == [1, 2, 3, 5, 9]
+    at9 = next(r["ms"] for r in relearned if r["q"] == 9)
+    assert at9 > 1.25 * kinked(64, 8 * 64)
+
+
 # -- the file ------------------------------------------------------------------
 
 KEY = {"model": "m", "dtype": "float32", "device": "test", "tp": 1, "dp": 1, "vllm": "0"}

@@ -49,6 +49,7 @@ class MeasuredStepCosts(OnlineStepCosts):
         self.resettled = 0      # of those, relearned until clear and settled again
         self._checks = [0] * MAX_BUCKETS
         self._relearn_from = [0.0] * MAX_BUCKETS  # real steps seen when relearning began
+        self._tables: dict[int, list[dict]] = {}  # a bucket's seed rows, while the engine agrees
 
     def seed(self, rows: list[dict]) -> int:
         """Start the buckets these rows cover from them: ``{"B", "q", "ms"}``
@@ -64,6 +65,9 @@ class MeasuredStepCosts(OnlineStepCosts):
                 raise ValueError(f"bad step-cost row {r!r}")
             groups.setdefault(bucket_of(b_rows), []).append((b_rows, q, ms, noise, drafter))
         state = self._state
+        for b, pts in groups.items():
+            self._tables[b] = [{"B": b_rows, "q": q, "ms": ms, "noise": noise}
+                               for b_rows, q, ms, noise, _ in pts]
         for b, pts in groups.items():
             s = state[b]
             s[XTX:XTX + 9] = 0.0
@@ -142,6 +146,7 @@ class MeasuredStepCosts(OnlineStepCosts):
         s[COUNT] *= DISCOUNT
         s[MEASURED] = RELEARNING
         self._relearn_from[b] = s[OBSERVED]
+        self._tables.pop(b, None)  # what is saved next is what the engine says
         self.disagreements += 1
 
     def explore_shade(self, batch: int) -> float:
@@ -166,11 +171,20 @@ class MeasuredStepCosts(OnlineStepCosts):
     def export(self) -> list[dict]:
         """The fit as a measured table: for every bucket with enough evidence
         (and not relearning), step times at ``Q_POINTS`` (drafter excluded),
-        with the bucket's noise and drafter time; what :meth:`seed` reads."""
+        with the bucket's noise and drafter time; what :meth:`seed` reads.
+        A bucket whose seed table the engine never contradicted gives that
+        table back as it came: the fit samples it at fewer points and through
+        the steps seen (at a few drafting levels), so saving the fit would
+        lose what the table said elsewhere and drift run by run."""
         rows = []
         for b in range(MAX_BUCKETS):
             s = self._state[b]
             if s[COUNT] < MIN_EFFECTIVE or s[MEASURED] == RELEARNING:
+                continue
+            if b in self._tables and s[MEASURED] == SETTLED:
+                base = self._prior_at(self._tables[b][0]["B"], 0)[0]
+                rows.extend({**r, "drafter_ms": round(float(s[DRAFTER] * base), 5)}
+                            for r in self._tables[b])
                 continue
             batch = int(round(2 ** (b / BUCKETS_PER_OCTAVE)))
             if bucket_of(batch) != b:
