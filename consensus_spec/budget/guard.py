@@ -8,8 +8,11 @@ measured second, every step counted: now and then a short window of steps
 runs the other way (no drafts while drafting is on, the budget's drafts while
 it is off), and each window is paired with the steps just before it, which
 share its load. When the paired ratio says the other way is faster by more
-than a margin, over several windows, the guard switches. Windows grow rarer
-while the verdict holds, so a settled engine pays little for the check.
+than a margin, beyond what the windows' own scatter could explain, the
+guard switches: on a shared machine a stall of a few steps now and then
+falls on a window or on the steps it is paired with, so one window's ratio
+is clipped and weighed against how much the windows disagree. Windows grow
+rarer while the verdict holds, so a settled engine pays little for the check.
 Where a measured step-cost table holds (``settled``, see measured.py) the
 windows are skipped while drafting is on: they would only find what the
 table says.
@@ -25,6 +28,9 @@ MAX_PERIOD = 384      # ...growing to this while the verdict holds
 MARGIN = 0.03         # log-throughput advantage needed to switch (about 3%)
 MIN_WINDOWS = 3       # paired windows before any switch
 MEMORY = 0.7          # weight of past windows in the running verdict
+CLIP = 0.7            # one window's log ratio counts at most this (2x): a stall is not a policy
+SIGMAS = 2.0          # the verdict must pass the margin by this many of its standard errors
+N_EFFECTIVE = (1 + MEMORY) / (1 - MEMORY)  # windows' worth of evidence in the running verdict
 BUCKETS_PER_OCTAVE = 2
 
 
@@ -34,7 +40,7 @@ def _bucket(batch: int) -> int:
 
 class _Bucket:
     __slots__ = ("drafting", "period", "countdown", "left", "window", "before", "verdict",
-                 "windows", "switches")
+                 "scatter", "windows", "switches")
 
     def __init__(self):
         self.drafting = True     # the policy most steps follow
@@ -44,6 +50,7 @@ class _Bucket:
         self.window = [0.0, 0.0]  # tokens, seconds in the window
         self.before = []         # (tokens, seconds) of the latest ordinary steps
         self.verdict = 0.0       # running log(throughput other / throughput ordinary)
+        self.scatter = 0.0       # running mean square of windows' ratios about the verdict
         self.windows = 0
         self.switches = 0
 
@@ -101,16 +108,24 @@ class DraftingGuard:
             ordinary = sum(t for t, _ in b.before) / sum(s for _, s in b.before)
             ratio = math.log((b.window[0] / b.window[1]) / ordinary)
             self.tokens_given_up += ordinary * b.window[1] - b.window[0]  # < 0: the window did better
-            b.verdict = ratio if b.windows == 0 else MEMORY * b.verdict + (1 - MEMORY) * ratio
+            ratio = min(max(ratio, -CLIP), CLIP)
+            if b.windows == 0:
+                b.verdict, b.scatter = ratio, 0.0
+            else:
+                b.scatter = MEMORY * b.scatter + (1 - MEMORY) * (ratio - b.verdict) ** 2
+                b.verdict = MEMORY * b.verdict + (1 - MEMORY) * ratio
             b.windows += 1
             self.windows += 1
-            if b.windows >= MIN_WINDOWS and b.verdict > MARGIN:
+            error = SIGMAS * math.sqrt(b.scatter / min(b.windows, N_EFFECTIVE))
+            if b.windows >= MIN_WINDOWS and b.verdict - error > MARGIN:
                 b.drafting = not b.drafting  # the other policy delivers more
                 b.switches += 1
                 self.switches += 1
-                b.verdict, b.windows, b.period = 0.0, 0, FIRST_PERIOD
-            elif b.windows >= MIN_WINDOWS and b.verdict < -MARGIN:
+                b.verdict, b.scatter, b.windows, b.period = 0.0, 0.0, 0, FIRST_PERIOD
+            elif b.windows >= MIN_WINDOWS and b.verdict + error < -MARGIN:
                 b.period = min(2 * b.period, MAX_PERIOD)  # settled: check less often
+            elif ratio > MARGIN:
+                b.period = FIRST_PERIOD  # a window against the verdict: look again soon
             b.countdown = b.period
             b.before = []
         elif b.left == 0:
