@@ -125,7 +125,7 @@ class DraftingGuard:
             elif b.windows >= MIN_WINDOWS and b.verdict + error < -MARGIN:
                 b.period = min(2 * b.period, MAX_PERIOD)  # settled: check less often
             elif ratio > MARGIN:
-                b.period = FIRST_PERIOD  # a window against the verdict: look again soon
+                b.period = max(b.period // 2, FIRST_PERIOD)  # a window against the verdict: look sooner
             b.countdown = b.period
             b.before = []
         elif b.left == 0:
