@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from .traces import TraceError
+
 # package: (command, what it does); kept in the order `--help` lists them
 GROUPS = {
     "evals.replay": (  # recorded traces replayed through the drafters
@@ -65,7 +67,14 @@ def main(argv=None) -> int:
         print(usage())
         return 2
     module = importlib.import_module(COMMANDS[argv[0]][0])
-    return module.main(argv[1:])
+    try:
+        return module.main(argv[1:])
+    except (OSError, TraceError) as e:  # a missing or unreadable input: say which, no traceback
+        if isinstance(e, OSError) and not isinstance(
+                e, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)):
+            raise
+        print(f"error: {argv[0]}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

