@@ -15,6 +15,15 @@ the table already says). When the engine disagrees, most of the table's
 weight is dropped and the bucket learns as it would without a measurement,
 exploring while uncertain; once that stops (the answer is clear) the fit
 becomes the bucket's new reference and it is settled again.
+
+A bucket whose budget drafts nothing has no evidence left on what a draft
+costs: a table (or a fit) that overstates it would keep drafting off for
+good, and no window or exploration could tell (both compare against the
+budget's own choice, which is no drafts). So such a bucket *probes* now and
+then: a few steps in a row draft what a tenth of the believed cost would
+allow, one token on a quarter of the rows at most. A probe step far faster
+than the fit predicts shows the table wrong: the bucket relearns, from that
+step on. Probes that agree grow rarer.
 """
 
 from __future__ import annotations
@@ -38,6 +47,11 @@ CHECK_EVERY = 8      # real steps between checks in a settled bucket
 REJECTS_DISAGREE = 3  # outliers in a row that say the table is wrong
 Q_POINTS = (1, 2, 3, 5, 9)  # query lengths per row a saved table holds
 SETTLED, RELEARNING = 1.0, 2.0
+PROBE_FIRST = 128    # steps drafting nothing before a bucket's first probe...
+PROBE_MAX = 1024     # ...the wait doubling to this while probes agree with the fit
+PROBE_STEPS = 3      # steps in a row per probe
+PROBE_SHADE = 0.9    # a probe drafts as if a draft token cost a tenth of the estimate
+IDLE_DRAFTS = 0.5    # a bucket drafting fewer tokens per step than this is drafting nothing
 
 
 class MeasuredStepCosts(OnlineStepCosts):
@@ -50,6 +64,12 @@ class MeasuredStepCosts(OnlineStepCosts):
         self._checks = [0] * MAX_BUCKETS
         self._relearn_from = [0.0] * MAX_BUCKETS  # real steps seen when relearning began
         self._tables: dict[int, list[dict]] = {}  # a bucket's seed rows, while the engine agrees
+        self._probe_wait = [PROBE_FIRST] * MAX_BUCKETS   # steps between probes, per bucket
+        self._probe_countdown = [PROBE_FIRST] * MAX_BUCKETS
+        self._probe_left = [0] * MAX_BUCKETS  # steps left in the probe under way
+        self._probed = -1       # the bucket the last decision probed, until its step is observed
+        self.probing = False    # the last decision is a probe (the budget takes its drafts as they are)
+        self.steps_probed = 0
 
     def seed(self, rows: list[dict]) -> int:
         """Start the buckets these rows cover from them: ``{"B", "q", "ms"}``
@@ -110,11 +130,21 @@ class MeasuredStepCosts(OnlineStepCosts):
         return self._state[bucket_of(batch), MEASURED] == SETTLED
 
     def observe(self, batch: int, drafted: int, step_ms: float, drafter_ms: float) -> bool:
+        probe = batch >= 1 and self._probed == bucket_of(batch)
+        self._probed = -1
+        if probe:
+            predicted = float(self.step_ms(batch, drafted, drafter=False)[drafted])
         ok = super().observe(batch, drafted, step_ms, drafter_ms)
         if batch >= 1:
             b = bucket_of(batch)
             s = self._state[b]
-            if s[MEASURED] == SETTLED:
+            if probe and not ok and step_ms < predicted:
+                # a probe far faster than the fit says (no stall makes a step faster):
+                # drafts cost less than it believes; it is the evidence, so learn from it
+                self._disagree(b)
+                s[REJECTS] = online.MAX_REJECTS
+                ok = super().observe(batch, drafted, step_ms, drafter_ms)
+            elif s[MEASURED] == SETTLED:
                 self._checks[b] += 1
                 if s[REJECTS] >= REJECTS_DISAGREE or (
                         self._checks[b] % CHECK_EVERY == 0 and not self._agrees(batch, b)):
@@ -147,11 +177,35 @@ class MeasuredStepCosts(OnlineStepCosts):
         s[MEASURED] = RELEARNING
         self._relearn_from[b] = s[OBSERVED]
         self._tables.pop(b, None)  # what is saved next is what the engine says
+        self._probe_wait[b] = self._probe_countdown[b] = PROBE_FIRST
         self.disagreements += 1
+
+    def _probe(self, batch: int, b: int) -> bool:
+        """Whether this decision in bucket ``b`` is a probe step (see the module's doc)."""
+        s = self._state[b]
+        if self._probe_left[b] == 0:
+            if s[COUNT] < MIN_EFFECTIVE or s[DRAFTED] * batch >= IDLE_DRAFTS:
+                self._probe_countdown[b] = self._probe_wait[b]  # it drafts: nothing to check
+                return False
+            self._probe_countdown[b] -= 1
+            if self._probe_countdown[b] > 0:
+                return False
+            self._probe_left[b] = PROBE_STEPS
+            self._probe_wait[b] = min(2 * self._probe_wait[b], PROBE_MAX)
+            self._probe_countdown[b] = self._probe_wait[b]
+        self._probe_left[b] -= 1
+        self._probed = b
+        self.steps_probed += 1
+        return True
 
     def explore_shade(self, batch: int) -> float:
         b = self._bucket(batch)
         s = self._state[b]
+        self.probing = self._probe(batch, b)
+        if self.probing:
+            self._steps[b] += 1
+            self.decisions += 1
+            return PROBE_SHADE
         if s[MEASURED] == SETTLED:  # the table holds: nothing to learn by exploring
             self._steps[b] += 1
             self.decisions += 1

@@ -208,12 +208,16 @@ class DraftBudget:
                 # between them: drafts on both sides of it teach the slope...
                 first, second = (low, high) if self.costs.steps_explored % 2 == 0 else (high, low)
                 bound = first if first.sum() != out.sum() else second
+                if self.costs.probing:  # a probe asks what a first draft token costs, on a
+                    np.minimum(bound, 1, out=bound)  # quarter of the rows: enough to see it
+                    bound[np.flatnonzero(bound)[max(len(bound) // 4, 1):]] = 0
                 # ...where the estimate says that costs next to nothing
                 table = self.step_ms(batch, tokens)
                 v_bound = _value(probs, bound, batch, table, rate)
                 v_out = _value(probs, out, batch, table, rate)
-                if v_bound >= (1.0 - EXPLORE_LOSS) * v_out:
-                    self.costs.steps_explored += 1
+                # a probe's loss is bounded by its rarity, not per step
+                if self.costs.probing or v_bound >= (1.0 - EXPLORE_LOSS) * v_out:
+                    self.costs.steps_explored += not self.costs.probing
                     # tokens per ms short of the estimate's choice, over the step's time
                     self.tokens_explore_lost += float((v_out - v_bound) * table[min(int(bound.sum()),
                                                                                    len(table) - 1)])
@@ -246,7 +250,7 @@ class DraftBudget:
             return {}
         lost = self.guard.tokens_given_up + self.tokens_explore_lost
         return {"forced_plain_steps": self.guard.steps_forced_plain,
-                "explored_steps": self.costs.steps_explored,
+                "explored_steps": self.costs.steps_explored, "probed_steps": self.costs.steps_probed,
                 "windows_skipped": self.guard.windows_skipped,
                 "tokens_given_up": round(lost, 1),
                 "tokens_per_s_given_up": round(lost / self.seconds_seen, 2) if self.seconds_seen else 0.0,
