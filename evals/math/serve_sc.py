@@ -60,45 +60,34 @@ def ask(base_url: str, config: str, prob: dict, args) -> dict:
     from consensus_spec.voting.vote import majority_vote
 
     t0 = time.monotonic()
+    body = {"model": SERVED, "prompt": prob["prompt"], "n": args.n, "temperature": 0.8,
+            "max_tokens": args.max_tokens, "seed": prob["seed"]}
+    full = config == "endpoint-full"
+    if config in ("endpoint", "endpoint-full"):  # the native route; the others take the body as is
+        body.update(early_stop=not full, return_paths=full)
+        if not full and args.schedule:
+            body["schedule"] = args.schedule
+    route = {"endpoint-openai": "/v1/self_consistency/completions", "endpoint": "/v1/self_consistency",
+             "endpoint-full": "/v1/self_consistency"}.get(config, "/v1/completions")
     try:
+        r = requests.post(base_url + route, json=body, timeout=args.timeout)
+        r.raise_for_status()
+        out = r.json()
         if config == "endpoint-openai":
-            body = {"model": SERVED, "prompt": prob["prompt"], "n": args.n, "temperature": 0.8,
-                    "max_tokens": args.max_tokens, "seed": prob["seed"]}
-            r = requests.post(base_url + "/v1/self_consistency/completions", json=body,
-                              timeout=args.timeout)
-            r.raise_for_status()
-            out = r.json()
             vote = out["choices"][0]["self_consistency"]
-            return {"ok": True, "i": prob["i"], "s": time.monotonic() - t0, "answer": vote["answer"],
-                    "tokens": out["usage"]["completion_tokens"], "paths": vote["paths_sampled"]}
-        if config.startswith("endpoint"):
-            full = config == "endpoint-full"
-            body = {"model": SERVED, "prompt": prob["prompt"], "n": args.n, "temperature": 0.8,
-                    "max_tokens": args.max_tokens, "seed": prob["seed"],
-                    "early_stop": not full, "return_paths": full}
-            if not full and args.schedule:
-                body["schedule"] = args.schedule
-            r = requests.post(base_url + "/v1/self_consistency", json=body, timeout=args.timeout)
-            r.raise_for_status()
-            out = r.json()
-            answer, tokens = out["answer"], out["tokens"]
-            paths = out["paths_sampled"]
-            if full:  # the n paths in wave order, for the replayed stop rule
-                ordered = sorted(out["paths"], key=lambda x: x["index"])
-                return {"ok": True, "i": prob["i"], "s": time.monotonic() - t0, "answer": answer,
-                        "tokens": tokens, "paths": paths,
-                        "path_answers": [x["answer"] for x in ordered],
-                        "path_tokens": [x["tokens"] for x in ordered]}
+            answer, tokens, paths = vote["answer"], out["usage"]["completion_tokens"], vote["paths_sampled"]
+        elif config.startswith("endpoint"):
+            answer, tokens, paths = out["answer"], out["tokens"], out["paths_sampled"]
         else:
-            body = {"model": SERVED, "prompt": prob["prompt"], "n": args.n, "temperature": 0.8,
-                    "max_tokens": args.max_tokens, "seed": prob["seed"]}
-            r = requests.post(base_url + "/v1/completions", json=body, timeout=args.timeout)
-            r.raise_for_status()
-            out = r.json()
             answer = majority_vote([extract_answer(c["text"]) for c in out["choices"]]).answer
             tokens, paths = out["usage"]["completion_tokens"], len(out["choices"])
-        return {"ok": True, "i": prob["i"], "s": time.monotonic() - t0, "answer": answer,
-                "tokens": tokens, "paths": paths}
+        row = {"ok": True, "i": prob["i"], "s": time.monotonic() - t0, "answer": answer,
+               "tokens": tokens, "paths": paths}
+        if full:  # the n paths in wave order, for the replayed stop rule
+            ordered = sorted(out["paths"], key=lambda x: x["index"])
+            row.update(path_answers=[x["answer"] for x in ordered],
+                       path_tokens=[x["tokens"] for x in ordered])
+        return row
     except Exception as e:  # noqa: BLE001 - counted as a failure in the table
         return {"ok": False, "i": prob["i"], "s": time.monotonic() - t0, "error": repr(e)[:300]}
 
