@@ -83,17 +83,15 @@ def test_an_engine_that_disagrees_is_learned_then_settles_again(learned_rows):
     # a token against 0.36 ms per row's token, none does): the decision is clear
     assert slope(budget, 64) > 1.4 * 0.3
     assert budget.costs.summary(64)["ms_per_step"][1] > 1.25 * gpu_truth(64, 64)
-    # settled on the new answer: learning stops, but for a probe now and then
-    # (the bucket drafts nothing), which may reopen it: cheaply, the answer kept
-    assert budget.costs.settled(64)
+    # settled on the new answer: learning stops (a probe now and then, which
+    # finds drafts no cheaper and leaves the answer as it was)
     before = budget.learning_cost()
     drive(budget, tripled, 64, 400, rng)
     after = budget.learning_cost()
-    assert slope(budget, 64) > 1.4 * 0.3
-    assert after["forced_plain_steps"] - before["forced_plain_steps"] <= 12
+    assert budget.costs.settled(64)
+    assert after["forced_plain_steps"] - before["forced_plain_steps"] <= 4
     assert after["explored_steps"] - before["explored_steps"] <= 2
     assert after["probed_steps"] - before["probed_steps"] <= 3
-    assert after["share_given_up"] < 0.01
 
 
 def kinked(batch, drafted):

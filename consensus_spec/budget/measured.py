@@ -23,7 +23,8 @@ budget's own choice, which is no drafts). So such a bucket *probes* now and
 then: a few steps in a row draft what a tenth of the believed cost would
 allow, one token on a quarter of the rows at most. A probe step far faster
 than the fit predicts shows the table wrong: the bucket relearns, from that
-step on. Probes that agree grow rarer.
+step on. One no faster than predicted leaves the fit as it was (the bucket
+drafts nothing either way). Probes that agree grow rarer.
 """
 
 from __future__ import annotations
@@ -134,11 +135,15 @@ class MeasuredStepCosts(OnlineStepCosts):
         self._probed = -1
         if probe:
             predicted = float(self.step_ms(batch, drafted, drafter=False)[drafted])
+            if step_ms >= predicted:
+                # drafts cost at least what the fit believes: the bucket drafts nothing
+                # either way, so the probe leaves the fit (and a settled answer) as it was
+                return True
         ok = super().observe(batch, drafted, step_ms, drafter_ms)
         if batch >= 1:
             b = bucket_of(batch)
             s = self._state[b]
-            if probe and not ok and step_ms < predicted:
+            if probe and not ok:
                 # a probe far faster than the fit says (no stall makes a step faster):
                 # drafts cost less than it believes; it is the evidence, so learn from it
                 self._disagree(b)
