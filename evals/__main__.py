@@ -69,10 +69,8 @@ def main(argv=None) -> int:
     module = importlib.import_module(COMMANDS[argv[0]][0])
     try:
         return module.main(argv[1:])
-    except (OSError, TraceError) as e:  # a missing or unreadable input: say which, no traceback
-        if isinstance(e, OSError) and not isinstance(
-                e, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)):
-            raise
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError,
+            TraceError) as e:  # a missing or unreadable input: say which, no traceback
         print(f"error: {argv[0]}: {e}", file=sys.stderr)
         return 2
 
