@@ -44,25 +44,16 @@ DEFAULT_TRACES = ("gsm8k_qwen3_4b_n8.jsonl", "addsub_codex002_n40.jsonl", "svamp
 HARD_SHARE = 0.6  # full-N winner share below this marks a hard problem
 
 
-def parse_waves(spec: list[str] | None) -> list[int | None] | None:
+def parse_waves(spec: list[str]) -> list[int | None]:
     """``["1", "2", "4", "rest"]`` -> ``[1, 2, 4, None]`` (None: all the rest)."""
-    if not spec:
-        return None
-    waves: list[int | None] = []
     for i, w in enumerate(spec):
-        if w == "rest" and i == len(spec) - 1:
-            waves.append(None)
-        elif w.isdigit() and int(w) >= 1:
-            waves.append(int(w))
-        else:
+        if not (w.isdigit() and int(w) >= 1 or w == "rest" and i == len(spec) - 1):
             raise ValueError(f"--waves takes sizes >= 1 and a final 'rest', got {w!r}")
-    return waves
+    return [None if w == "rest" else int(w) for w in spec]
 
 
-def checkpoints(n: int, waves: list[int | None] | None) -> list[int]:
+def checkpoints(n: int, waves: list[int | None]) -> list[int]:
     """Sample counts after which the rule is checked (before the last sample)."""
-    if waves is None:
-        return list(range(1, n))
     from consensus_spec.sampling.waves import REST, Schedule
     return wave_ends(Schedule(waves=tuple(REST if w is None else w for w in waves)).sizes(n), n)
 
@@ -99,54 +90,43 @@ def orders(trace: VoteTrace, perms: int, seed: int) -> dict[str, list[int]]:
             **{f"perm{r}": rng.sample(range(n), n) for r in range(perms)}}
 
 
-def evaluate(traces: list[VoteTrace], rules: list[StopRule], perms: int = 20, seed: int = 0,
-             waves: list[int | None] | None = None) -> dict[str, dict]:
+def evaluate(traces: list[VoteTrace], rules: list[StopRule], perms: int, seed: int,
+             waves: list[int | None]) -> dict[str, dict]:
     """Per rule: metrics for recorded order, shortest-first, and the permutations."""
     hard = [t.share < HARD_SHARE for t in traces]
     full_tokens = sum(sum(t.tokens) for t in traces)
     n_samples = sum(len(t.ids) for t in traces)
-    prepared = []  # per trace, per order: (ids, tokens, tallies, checks)
+    prepared: dict[str, list] = {}  # per order, per trace: (ids, tokens, checks, tallies)
     for t in traces:
-        per = {}
         for name, order in orders(t, perms, seed).items():
             ids = [t.ids[i] for i in order]
-            per[name] = (ids, [t.tokens[i] for i in order], prefix_tallies(ids),
-                         checkpoints(len(ids), waves))
-        prepared.append(per)
-    names = list(prepared[0]) if prepared else []
+            prepared.setdefault(name, []).append(
+                (ids, [t.tokens[i] for i in order], checkpoints(len(ids), waves), prefix_tallies(ids)))
     results = {}
     for rule in rules:
         by_order = {}
-        for name in names:
-            used = tok = agree = hard_agree = gold_stop = gold_full = 0
-            graded = 0
-            for t, per, is_hard in zip(traces, prepared, hard):
-                ids, tokens, tallies, checks = per[name]
-                u, k, stopped, full = replay_order(ids, tokens, rule, checks, tallies)
-                used += u
-                tok += k
-                agree += stopped == full
-                hard_agree += is_hard and stopped == full
-                if t.correct is not None:
-                    graded += 1
-                    gold_stop += stopped is not None and t.correct[stopped]
-                    gold_full += full is not None and t.correct[full]
+        for name, per in prepared.items():
+            runs = [replay_order(ids, tokens, rule, checks, tallies) for ids, tokens, checks, tallies in per]
+            used = sum(r[0] for r in runs)
+            agree = [stopped == full for _, _, stopped, full in runs]
+            graded = [(t.correct, stopped, full) for t, (_, _, stopped, full) in zip(traces, runs)
+                      if t.correct is not None]
+            gold_stop = sum(s is not None and c[s] for c, s, _ in graded)
+            gold_full = sum(f is not None and c[f] for c, _, f in graded)
             by_order[name] = {
                 "samples_per_problem": used / len(traces), "samples_frac": used / n_samples,
-                "tokens_frac": tok / full_tokens, "agreement": agree / len(traces),
-                "hard_agreement": hard_agree / sum(hard) if any(hard) else None,
-                "gold_acc": gold_stop / graded if graded else None,
-                "gold_acc_full": gold_full / graded if graded else None,
+                "tokens_frac": sum(r[1] for r in runs) / full_tokens, "agreement": sum(agree) / len(traces),
+                "hard_agreement": sum(a and h for a, h in zip(agree, hard)) / sum(hard) if any(hard) else None,
+                "gold_acc": gold_stop / len(graded) if graded else None,
+                "gold_acc_full": gold_full / len(graded) if graded else None,
             }
         perm = [v for k, v in by_order.items() if k.startswith("perm")]
-        summary = dict(by_order["recorded"])
-        summary["shortest_first"] = by_order["shortest"]
-        if perm:
-            for key, worst in (("agreement", min), ("hard_agreement", min), ("tokens_frac", max),
-                               ("gold_acc", min), ("gold_acc_full", min)):
-                vals = [p[key] for p in perm if p[key] is not None]
-                summary[f"{key}_perm_mean"] = sum(vals) / len(vals) if vals else None
-                summary[f"{key}_perm_worst"] = worst(vals) if vals else None
+        summary = {**by_order["recorded"], "shortest_first": by_order["shortest"]}
+        for key, worst in (("agreement", min), ("hard_agreement", min), ("tokens_frac", max),
+                           ("gold_acc", min), ("gold_acc_full", min)):  # --perms >= 1
+            vals = [p[key] for p in perm if p[key] is not None]
+            summary[f"{key}_perm_mean"] = sum(vals) / len(vals) if vals else None
+            summary[f"{key}_perm_worst"] = worst(vals) if vals else None
         results[rule.describe()] = {"rule": rule.__dict__, **summary}
     return results
 

@@ -1,16 +1,7 @@
 """Choosing a stop rule across trace sets for ``python -m evals stop-rules``:
 targets, leave-one-set-out cross-validation, tables and the trade-off plot
 (docs/stopping.md, "Evaluation", tells the procedure and its reasons).
-
-Every figure here is over *random path orders* (the stop rules assume
-exchangeable paths, which a recorded order may not be); recorded-order
-agreement is reported beside, never used to choose.  Each held-out set gets
-the cheapest rule (mean token share over the other sets) that meets the
-targets (``TARGET_*``; realized disagreement <= the nominal error) on every
-other set: once over the rules whose error holds over all looks
-(``GUARANTEED``), which sets the default, and once over every rule, for
-comparison.  When the folds disagree the default is the most cautious of
-their picks (smallest error).
+Every figure here is over random path orders; the targets are ``TARGET_*``.
 """
 
 from __future__ import annotations
@@ -100,8 +91,7 @@ def gold(r: dict) -> str:
     return "-" if gold_full(r) is None else f"{pct(r.get('gold_acc_perm_mean'), 2)} / {pct(gold_full(r), 2)}"
 
 
-def realized(r: dict) -> str:
-    nom = nominal(r)
+def realized(r: dict, nom: float | None) -> str:
     return f"{pct(1 - r['agreement_perm_mean'], 2)} / {'-' if nom is None else pct(nom, 1)}"
 
 
@@ -115,7 +105,7 @@ def set_tables(sets: dict[str, dict], default: str) -> str:
             lines.append(
                 f"| {set_name} | {name}{mark} | {pct(r['tokens_frac_perm_mean'])} "
                 f"({pct(r['tokens_frac_perm_worst'])}) | {pct(r['agreement_perm_mean'], 2)} / "
-                f"{pct(r['agreement_perm_worst'], 2)} / {pct(r['agreement'], 2)} | {realized(r)} | "
+                f"{pct(r['agreement_perm_worst'], 2)} / {pct(r['agreement'], 2)} | {realized(r, nominal(r))} | "
                 f"{pct(r.get('hard_agreement_perm_mean'))} ({s['hard_problems']}) | {gold(r)} | "
                 f"{'yes' if meets(r) else 'no'} |")
     return "\n".join(lines)
@@ -127,10 +117,9 @@ def loso_table(folds: list[dict], title: str) -> str:
              "worst of orders % | recorded order % | disagree % realized / nominal | "
              "gold % stopped / full-N | targets |", "|---|---|---|---|---|---|---|---|---|"]
     for f in folds:
-        nom = "-" if f["nominal"] is None else pct(f["nominal"], 1)
         lines.append(f"| {f['held_out']} | {f['rule']} | {pct(f['tokens_frac_perm_mean'])} | "
                      f"{pct(f['agreement_perm_mean'], 2)} | {pct(f['agreement_perm_worst'], 2)} | "
-                     f"{pct(f['agreement'], 2)} | {pct(1 - f['agreement_perm_mean'], 2)} / {nom} | "
+                     f"{pct(f['agreement'], 2)} | {realized(f, f['nominal'])} | "
                      f"{gold(f)} | {'yes' if f['meets'] else 'no'} |")
     if folds:
         mean = sum(f["tokens_frac_perm_mean"] for f in folds) / len(folds)

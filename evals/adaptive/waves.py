@@ -175,7 +175,8 @@ def configs(args):
         [(schedule, rule, m) for schedule in args.schedules for rule in args.rules for m in METHODS]
 
 
-def run(args) -> list[dict]:
+def run(args) -> tuple[list[dict], object]:
+    """Result rows, and the host-time table they were projected with (None: none)."""
     tokenizer = load_tokenizer(args.tokenizer)
     costs, host = load_tables(args)
     if costs is None:
@@ -202,7 +203,7 @@ def run(args) -> list[dict]:
         row["speedup"] = base["projected_s"] / row["projected_s"]
         if "projected_async_s" in row:
             row["speedup_async"] = base["projected_async_s"] / row["projected_async_s"]
-    return out
+    return out, host
 
 
 def _span(vals, fmt: str) -> str:
@@ -287,8 +288,7 @@ def plot(rows: list[dict], path: str) -> bool:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        rows = run(args)
-        host = load_tables(args, quiet=True)[1]
+        rows, host = run(args)
     except (TraceError, FileNotFoundError, ValueError) as e:
         return fail(e)
     table = markdown(rows, args, host)

@@ -27,9 +27,8 @@ from .vote_traces import path_planner, winner
 def simulate(problems, schedule, rule, cost) -> dict:
     """problems: list of (class ids, tokens, correct-per-class, full winner)."""
     plan = path_planner(len(problems), len(problems[0][0]), schedule, rule)
-    running: dict[tuple[int, int], int] = {}
-    finished: dict[int, list] = {p: [] for p in range(len(problems))}
-    ms = steps = fill = tokens = 0.0
+    running: dict[tuple[int, int], int] = {}  # (problem, path): tokens still to generate
+    ms = steps = tokens = 0.0
 
     def submit(paths):
         for p, k in paths:
@@ -37,45 +36,37 @@ def simulate(problems, schedule, rule, cost) -> dict:
 
     submit(plan.admit())
     while running:
-        batch = len(running)
         steps += 1
-        fill += batch
-        tokens += batch
-        ms += float(cost.step_ms(batch, 1))
+        tokens += len(running)  # one token per running path
+        ms += float(cost.step_ms(len(running), 1))
         for key in list(running):
             running[key] -= 1
         for key in [k for k, left in running.items() if left == 0]:
-            if key not in running:
+            if key not in running:  # aborted by a stop earlier in this step
                 continue
             del running[key]
             p, k = key
-            finished[p].append((k, problems[p][0][k]))
             to_submit, to_abort = plan.on_finish(p, k, problems[p][0][k])
             for a in to_abort:
                 running.pop(a, None)
             submit(to_submit)
     agree = correct = 0
     for p, (ids, _, right, full) in enumerate(problems):
-        voted = winner([i for _, i in sorted(finished[p])])  # ties: lowest path, as voted
+        voted = winner([ids[k] for k in sorted(plan.problems[p].paths)])  # ties: lowest path, as voted
         agree += voted == full
         correct += voted is not None and right[voted]
-    cap = schedule.capacity
-    return dict(tokens=tokens, ms=ms, steps=steps, fill=fill / steps / cap if cap else None,
+    return dict(tokens=tokens, ms=ms, steps=steps, fill=tokens / steps / schedule.capacity,
                 agreement=agree / len(problems), maj=correct / len(problems))
 
 
-def load(path: str):
+def load(path: str) -> dict[str, list]:
+    """Per plain row of a math run: answer_classes (class ids, tokens, correct per class)."""
     from ..math.report import answer_classes
 
     with open(path) as f:
         data = json.load(f)
-    out = {}
-    for row in data["results"]:
-        if (row.get("waves"), row.get("early_stop")) != ("all", "off"):
-            continue
-        out[f"{row['method']} n={row['n']}"] = [(ids, tokens, right, winner(ids))
-                                                 for ids, tokens, right in answer_classes(row)]
-    return out
+    return {f"{row['method']} n={row['n']}": answer_classes(row) for row in data["results"]
+            if (row.get("waves"), row.get("early_stop")) == ("all", "off")}
 
 
 def main(argv=None) -> int:
@@ -102,7 +93,7 @@ def main(argv=None) -> int:
         orders = []
         for r in range(args.perms):
             perm = []
-            for ids, toks, right, full in problems:
+            for ids, toks, right in problems:
                 idx = list(range(len(ids)))
                 if r:
                     rng.shuffle(idx)
