@@ -94,8 +94,6 @@ def resolve(spec: str) -> tuple[str, str | None]:
 
 def load_problems(spec: str, limit: int | None = None) -> list[MathProblem]:
     """Problems of dataset ``spec`` (name or file), the first ``limit`` of them."""
-    if limit is not None and limit < 1:
-        raise DatasetError("--limit must be >= 1")
     kind, path = resolve(spec)
     if kind == "synthetic":
         from consensus_spec.model.synthetic import test_set

@@ -21,13 +21,13 @@ def add_run_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--max-tokens", type=int,
                     help="tokens per sample (default 256 for synthetic, else 1024)")
-    ap.add_argument("--seed", type=int, default=0, help="engine seed")
     add_engine_args(ap)
-    ap.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
 
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
-    """The engine settings :func:`build_llm` reads (``rollout`` shares them)."""
+    """The engine settings :func:`build_llm` reads, and ``--verbose``
+    (:func:`engine_env`); ``rollout`` shares them."""
+    ap.add_argument("--seed", type=int, default=0, help="engine seed")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.25,
                     help="vLLM memory share (on CPU it sizes the KV cache in RAM)")
     ap.add_argument("--dtype", default="auto", help="model dtype (float32 is safest on CPU)")
@@ -36,6 +36,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                     help="eager mode (default: on CPU only; on GPU keep CUDA graphs, which the "
                          "budget's H200 cost model was fitted to)")
+    ap.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
 
 
 def check_run_args(args, positive: tuple[str, ...]) -> None:
@@ -117,21 +118,21 @@ def engine_env(verbose: bool) -> bool:
     return in_process
 
 
-def spec_config(method: str, args) -> dict | None:
-    """vLLM's speculative_config for ``method`` (consensus options travel in
-    ``additional_config``: :func:`engine_options`); ngram and suffix draft
+def engine_config(method: str, args) -> dict:
+    """vLLM's ``speculative_config`` and ``additional_config`` (where
+    consensus's options travel) for ``method``; ngram and suffix draft
     ``--k`` tokens, or ``--ngram-k`` / ``--suffix-k`` where a command has them
     (``rollout``; a suffix k of None leaves vLLM's)."""
-    if method == "none":
-        return None
     if method == "consensus":
         from consensus_spec import engine_args
-        return engine_args(args.k, **args.drafter_options)["speculative_config"]
-    k = getattr(args, f"{method}_k", args.k)
-    config = {"method": method, **({"num_speculative_tokens": k} if k else {})}
-    if method == "ngram" and args.ngram_lookup:
-        config["prompt_lookup_min"], config["prompt_lookup_max"] = args.ngram_lookup
-    return config
+        return engine_args(args.k, **args.drafter_options)
+    config = None
+    if method != "none":
+        k = getattr(args, f"{method}_k", args.k)
+        config = {"method": method, **({"num_speculative_tokens": k} if k else {})}
+        if method == "ngram" and args.ngram_lookup:
+            config["prompt_lookup_min"], config["prompt_lookup_max"] = args.ngram_lookup
+    return {"speculative_config": config, "additional_config": {}}
 
 
 def check_dependencies(methods: list[str]) -> None:
@@ -154,21 +155,12 @@ def on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
-def engine_options(method: str, args) -> dict:
-    """vLLM's additional_config: consensus's options, where they travel."""
-    if method != "consensus":
-        return {}
-    from consensus_spec import engine_args
-    return engine_args(args.k, **args.drafter_options)["additional_config"]
-
-
 def build_llm(method: str, args, log_stats: bool = True):
     """The engine for ``method`` with :func:`add_engine_args`' settings;
     ``log_stats`` keeps vLLM's stats (the spec-decode counters read them)."""
     from vllm import LLM
 
-    kwargs = dict(model=args.model, speculative_config=spec_config(method, args), seed=args.seed,
-                  additional_config=engine_options(method, args),
+    kwargs = dict(model=args.model, **engine_config(method, args), seed=args.seed,
                   dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
                   enforce_eager=on_cpu() if args.enforce_eager is None else args.enforce_eager,
                   disable_log_stats=not log_stats)
@@ -199,7 +191,3 @@ def proposer_counters(llm) -> dict | None:
         return next((c for c in llm.collective_rpc(drafter_counters, timeout=60) if c), None)
     except Exception as e:  # noqa: BLE001 - a report, not the run: say why it is missing
         return {"error": f"{type(e).__name__}: {e}"[:300]}
-
-
-def in_process_engine() -> bool:
-    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"

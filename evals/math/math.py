@@ -134,7 +134,7 @@ def dry_run(args, problems) -> dict:
     each method's engine settings."""
     import dataclasses
 
-    from .llm import engine_options, spec_config
+    from .llm import engine_config
     from .prompts import build_prompt, prompt_style
 
     def rule_dict(rule):
@@ -153,8 +153,8 @@ def dry_run(args, problems) -> dict:
                      "fill_idle": s.fill_idle, "schedule": s.describe(), "wave_sizes": s.sizes(n),
                      "early_stop": early_stop_label(r), "stop_rule": rule_dict(r)}
                     for n, s, r in args.configs],
-        "speculative_config": {m: spec_config(m, args) for m in args.methods},
-        "additional_config": {m: engine_options(m, args) for m in args.methods},
+        "speculative_config": {m: engine_config(m, args)["speculative_config"] for m in args.methods},
+        "additional_config": {m: engine_config(m, args)["additional_config"] for m in args.methods},
         "tokenizer_error": tokenizer_error,
         "prompt_style": prompt_style(problems, tokenizer),
         "problems": [{"id": p.id, "question": p.question, "gold": p.gold, "gold_key": p.gold_key,

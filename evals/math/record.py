@@ -32,7 +32,8 @@ import time
 
 from ..options import add_option_arg, fail
 from .configs import Parser, UsageError, max_tokens
-from .llm import add_run_args, build_llm, check_run_args, drafter_options, engine_env, load_run, shutdown
+from .llm import (add_run_args, build_llm, check_dependencies, check_run_args, drafter_options, engine_env,
+                  load_run, shutdown)
 
 # meta fields that must match to append to an existing file
 SAME_ON_RESUME = ("model", "dataset", "n", "temperature", "top_p", "max_tokens", "seed", "logprobs")
@@ -59,11 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     check_run_args(args, ("k", "batch_size", "limit"))
-    # llm.build_llm reads these
+    # llm.build_llm reads it
     args.drafter_options = drafter_options(args, check=args.speculative == "consensus")
     if args.drafter_options and args.speculative != "consensus":
         raise UsageError("--option applies to --speculative consensus only")
-    args.ngram_lookup = None
     return args
 
 
@@ -202,15 +202,12 @@ def main(argv=None) -> int:
         args = parse_args(argv)
         name = model_name(args.model)
         problems = load_run(args)
-        try:
-            meta_versions = versions()
-        except ImportError:
-            raise UsageError("vLLM is not installed (pip install -e .[cpu] or .[gpu])")
+        check_dependencies([args.speculative])
         meta = dict(model=name, dataset=args.dataset, n=args.n, temperature=args.temperature,
                     top_p=args.top_p, max_tokens=max_tokens(args, problems),
                     seed=args.seed, logprobs=args.logprobs, speculative=args.speculative,
                     speculative_options=args.drafter_options, k=args.k,
-                    dtype=args.dtype, **meta_versions)
+                    dtype=args.dtype, **versions())
         done, old_meta = read_recorded(args.out, log=lambda m: print(m, file=sys.stderr))
         check_resume(args.out, old_meta, meta)
     except UsageError as e:

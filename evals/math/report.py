@@ -33,21 +33,16 @@ def _plain(rows: list[dict], method: str, n: int) -> dict | None:
     return next((p for p in rows if is_plain(p) and p["method"] == method and p["n"] == n), None)
 
 
-def _same_answer(a, b) -> bool:
-    if a is None or b is None:
-        return a is b
-    if a == b:
-        return True
-    from consensus_spec.voting.answers import answers_equal
-    return answers_equal(a, b)
-
-
 def answer_agreement(row: dict, ref: dict) -> float | None:
-    """Share of problems whose voted answer equals ``ref``'s (same problems)."""
+    """Share of problems whose voted answer equals ``ref``'s (same problems;
+    two None answers are equal)."""
+    from consensus_spec.voting.answers import answers_equal
+
     pairs = list(zip(row["per_problem"], ref["per_problem"]))
     if not pairs or any(a["id"] != b["id"] for a, b in pairs):
         return None
-    return sum(_same_answer(a["answer"], b["answer"]) for a, b in pairs) / len(pairs)
+    return sum(a["answer"] == b["answer"] or answers_equal(a["answer"], b["answer"])
+               for a, b in pairs) / len(pairs)
 
 
 def add_comparisons(rows: list[dict]) -> None:
@@ -93,37 +88,24 @@ def noise_floor(rows: list[dict]) -> list[tuple[str, str, int, float]]:
 # -- Scoring a run against gold answers
 
 
-class Grader:
-    """answers_equal against one gold answer, cached per distinct prediction."""
-
-    def __init__(self, gold: str):
-        self.gold = gold
-        self.cache: dict[str, bool] = {}
-
-    def __call__(self, answer: str | None) -> bool:
-        if answer is None:
-            return False
-        if answer not in self.cache:
-            from consensus_spec.voting.answers import answers_equal
-            self.cache[answer] = answers_equal(answer, self.gold)
-        return self.cache[answer]
-
-
 def score(run, problems) -> dict:
     """Accuracy figures of one self-consistency run plus per-problem detail."""
+    from consensus_spec.voting.answers import answers_equal
+
     details, pass1, maj = [], [], []
     for prob, res in zip(problems, run):
-        grade = Grader(prob.gold)
-        correct = sum(grade(s.answer) for s in res.samples)
+        answers = [s.answer for s in res.samples]
+        right = {a: answers_equal(a, prob.gold) for a in {res.answer, *answers}}  # once per answer
+        correct = sum(right[a] for a in answers)
         p1 = correct / len(res.samples) if res.samples else 0.0
-        voted = grade(res.answer)
+        voted = right[res.answer]
         pass1.append(p1)
         maj.append(voted)
         details.append(dict(id=prob.id, gold=prob.gold, answer=res.answer, correct=voted,
                             agreement=round(res.agreement, 4), samples=len(res.samples),
                             samples_correct=correct, stopped_early=res.stopped_early,
                             tokens=res.num_tokens, waves=getattr(res, "waves", None),
-                            answers=[s.answer for s in res.samples],
+                            answers=answers,
                             sample_tokens=[getattr(s, "num_tokens", 0) for s in res.samples]))
     count = max(1, len(problems))
     return dict(pass_at_1=sum(pass1) / count, maj_at_n=sum(maj) / count, per_problem=details)

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import sys
 import time
 
 from ..options import write_json
 from . import report
 from .configs import early_stop_label
-from .llm import build_llm, in_process_engine, proposer_counters, shutdown, spec_config
+from .llm import build_llm, engine_config, proposer_counters, shutdown
 
 
 WARMUP_QUESTION = "Mia has 3 apples. Mia buys 2 more apples. How many apples does Mia have now?"
@@ -53,9 +54,10 @@ def run_configs(method: str, configs: list[tuple], args, problems, max_tokens: i
                     logprobs=False,  # unweighted votes need none; with drafts they are costly
                     on_problem_done=lambda _p: bar.update(1))
             row = make_row(method, n, schedule, rule, run, problems, startup,
-                           spec_config(method, args), style)
+                           engine_config(method, args)["speculative_config"], style)
             # with the engine in this process, CPU time is a load-robust companion to wall time
-            row["cpu_time_s"] = time.process_time() - cpu0 if in_process_engine() else None
+            in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+            row["cpu_time_s"] = time.process_time() - cpu0 if in_process else None
             row["prompt_example"] = prompts[0]
             if method == "consensus":
                 row["proposer"] = proposer_counters(llm)
@@ -84,19 +86,12 @@ def run_all(args, problems, max_tokens: int) -> list[dict]:
     one engine would be measured with an unfair head start."""
     rows: list[dict] = []
     for method in args.methods:
-        if args.reuse_engine:
-            rows += run_configs(method, args.configs, args, problems, max_tokens)
-            checkpoint(args, rows)
-        else:
-            for config in args.configs:
-                rows += run_configs(method, [config], args, problems, max_tokens)
-                checkpoint(args, rows)
+        for configs in [args.configs] if args.reuse_engine else [[c] for c in args.configs]:
+            rows += run_configs(method, configs, args, problems, max_tokens)
+            # rows so far, for long runs (math.main removes the file once all is written)
+            write_json(args.out + ".partial.json", {"results": report.public(rows)},
+                       indent=None, default=str)
     return rows
-
-
-def checkpoint(args, rows: list[dict]) -> None:
-    """Rows so far to PREFIX.partial.json (long runs; removed once all is written)."""
-    write_json(args.out + ".partial.json", {"results": report.public(rows)}, indent=None, default=str)
 
 
 def make_row(method, n, schedule, rule, run, problems, startup, spec, style) -> dict:

@@ -92,42 +92,35 @@ def ask(base_url: str, config: str, prob: dict, args) -> dict:
         return {"ok": False, "i": prob["i"], "s": time.monotonic() - t0, "error": repr(e)[:300]}
 
 
-def run_configs(configs: list[str], args, probs: list[dict], log_dir: Path, run: int,
-                rows: int | None, warm: list[dict] = ()) -> dict:
-    """One server per configuration, all started at once; each answers the
-    warm-up problems (other problems than the timed ones), then at every
-    concurrency the timed problems go to the configurations in turns of a
-    few problems each (``turn_size``), the order alternating turn by turn:
-    what slows this shared machine for a minute slows every configuration
-    alike.  ``{config: {concurrency: cell}}``."""
+def run_configs(args, probs: list[dict], run: int, rows: int | None, warm: list[dict] = ()) -> dict:
+    """One run at ``rows`` as the module docstring says (servers all up at
+    once, warmed, then turns): ``{config: {concurrency: cell}}``."""
     import contextlib
 
     import requests
 
     from consensus_spec.model import model_path
 
-    out: dict = {c: {} for c in configs}
+    out: dict = {c: {} for c in args.configs}
     with contextlib.ExitStack() as stack:
         servers = {}
-        for config in configs:
+        for config in args.configs:
             env = {"VLLM_PLUGINS": PLUGINS, "CONSENSUS_SPEC_SC_RUN_AHEAD": args.run_ahead} \
                 if config.startswith("endpoint") else {}
             servers[config] = stack.enter_context(VllmServer(
                 server_args(model_path(), config != "client-nospec", rows, args.max_model_len),
-                log_dir / f"run{run}_{config}_{rows or 'default'}.log", env))
+                args.log_dir / f"run{run}_{config}_{rows or 'default'}.log", env))
         for server in servers.values():
             server.wait_ready()
-        # warm-up, not timed: a server that has run a while (consensus drafts
-        # from other prompts' paths too, and those accumulate), at the
-        # highest concurrency
+        # warm-up, not timed (why: the module docstring), at the highest concurrency
         for config, server in servers.items():
             with cf.ThreadPoolExecutor(max(args.concurrency)) as pool:
                 list(pool.map(lambda p: ask(server.base_url, config, p, args),
                               [{**w, "i": -1} for w in warm] or [{**probs[0], "i": -1}]))
         for conc in args.concurrency:
-            size = turn_size(conc, len(probs))
+            size = min(len(probs), max(8, 6 * conc))  # a few per client: as loaded as without turns
             for turn, first in enumerate(range(0, len(probs), size)):
-                order = configs if (run + turn) % 2 == 0 else configs[::-1]
+                order = args.configs if (run + turn) % 2 == 0 else args.configs[::-1]
                 for config in order:
                     server = servers[config]
                     # untimed: a server that sat out the other turns answers its
@@ -156,24 +149,9 @@ def run_configs(configs: list[str], args, probs: list[dict], log_dir: Path, run:
     return out
 
 
-def turn_size(concurrency: int, problems: int) -> int:
-    """Problems a configuration answers in one turn: a few per client, so
-    the clients keep the server as loaded as they would without turns."""
-    return min(problems, max(8, 6 * concurrency))
-
-
 def _pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
-
-
-def _same(a, b) -> bool:
-    from consensus_spec.voting.vote import cluster_answers
-
-    if a is None or b is None:
-        return a is None and b is None
-    ids = cluster_answers([str(a), str(b)])
-    return ids[0] is not None and ids[0] == ids[1]
 
 
 def replayed_stop(record: dict, n: int, schedule: str | None = None) -> dict:
@@ -195,6 +173,8 @@ def replayed_stop(record: dict, n: int, schedule: str | None = None) -> dict:
 
 def summarize(runs: list[dict], probs: list[dict], args) -> dict:
     """Per configuration and concurrency: means over runs and their spread."""
+    from consensus_spec.voting.answers import answers_equal
+
     table = {}
     for config in args.configs:
         for conc in args.concurrency:
@@ -203,7 +183,7 @@ def summarize(runs: list[dict], probs: list[dict], args) -> dict:
             rates = [len(o) / c["wall_s"] for o, c in zip(ok, cells)]
             lat = [x["s"] for o in ok for x in o]
             answers = sum(len(o) for o in ok)
-            correct = sum(_same(x["answer"], probs[x["i"]]["gold"]) for o in ok for x in o)
+            correct = sum(answers_equal(x["answer"], str(probs[x["i"]]["gold"])) for o in ok for x in o)
             acc = correct / answers if answers else 0.0
             table[(config, conc)] = {
                 "config": config, "concurrency": conc, "runs": len(cells),
@@ -316,14 +296,12 @@ def main(argv=None) -> int:
     runs = {rows: [] for rows in args.rows}
     for run in range(args.runs):
         for rows in args.rows:
-            runs[rows].append(run_configs(args.configs, args, probs, args.log_dir, run, rows, warm))
+            runs[rows].append(run_configs(args, probs, run, rows, warm))
     tables = {rows: summarize(runs[rows], probs, args) for rows in args.rows}
     for rows, table in tables.items():
         print(markdown(table, args, rows))
     if args.out:
-        write_json(args.out, {
-            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "tables": {str(rows): list(t.values()) for rows, t in tables.items()},
-            "runs": {str(rows): [{c: {str(k): v for k, v in r[c].items()} for c in r} for r in rr]
-                     for rows, rr in runs.items()}})
+        write_json(args.out, {"args": vars(args),  # paths as str, concurrency keys as JSON's str
+                              "tables": {str(rows): list(t.values()) for rows, t in tables.items()},
+                              "runs": {str(rows): rr for rows, rr in runs.items()}}, default=str)
     return 0 if all(r["failed"] == 0 for t in tables.values() for r in t.values()) else 1

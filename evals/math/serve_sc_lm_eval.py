@@ -55,7 +55,6 @@ def task_files(out_dir: Path, data: Path, n: int) -> dict[str, str]:
                + [{"name": f"maj@{n}", "filter": [{"function": "regex", "regex_pattern": SC_REGEX},
                                                   {"function": "majority_vote"},
                                                   {"function": "take_first"}]}]}
-    repeats.pop("tag", None)
     for spec in (plain, repeats):
         (out_dir / f"{spec['task']}.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     return {"base-url": plain["task"], "repeats": repeats["task"]}

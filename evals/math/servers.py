@@ -65,12 +65,6 @@ def process_tree(pid: int) -> list[int]:
     return out
 
 
-def tree_cpu_s(pid: int) -> float:
-    """user + system CPU seconds of ``pid`` and its live descendants."""
-    ticks = sum(int(f[11]) + int(f[12]) for f in _stats(process_tree(pid)).values())
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
 def process_group(pgid: int) -> list[int]:
     """Live (non-zombie) processes whose process group is ``pgid``."""
     return [pid for pid, f in _stats().items() if int(f[2]) == pgid and f[0] != "Z"]
@@ -133,7 +127,9 @@ class VllmServer:
                            f"({self.log_path}):\n{self.log_tail()}")
 
     def cpu_s(self) -> float:
-        return tree_cpu_s(self.proc.pid)
+        """user + system CPU seconds of the server and its live descendants."""
+        ticks = sum(int(f[11]) + int(f[12]) for f in _stats(process_tree(self.proc.pid)).values())
+        return ticks / os.sysconf("SC_CLK_TCK")
 
     def stop(self, grace: float = 30.0) -> None:
         """SIGTERM the API server (it shuts its engine down), SIGKILL the
@@ -142,7 +138,10 @@ class VllmServer:
         if self.proc is None or self._stopped:
             return
         self._stopped = True
-        self.stop_offset = self._log_size()
+        try:
+            self.stop_offset = self.log_path.stat().st_size
+        except OSError:
+            self.stop_offset = 0
         pgid = self.proc.pid  # start_new_session: the server leads its own group
         if self.proc.poll() is None:
             try:
@@ -164,12 +163,6 @@ class VllmServer:
         except subprocess.TimeoutExpired:
             self.exit_code = None
         self._log.close()
-
-    def _log_size(self) -> int:
-        try:
-            return self.log_path.stat().st_size
-        except OSError:
-            return 0
 
     def log_text(self, until_stop: bool = False) -> str:
         """The log (up to the moment :meth:`stop` began, if ``until_stop``)."""

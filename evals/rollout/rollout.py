@@ -1,15 +1,11 @@
 """RL rollouts: a fixed batch of P prompts x G samples, run to its last token.
 
-    python -m evals rollout [--model DIR] [--dataset synthetic|gsm8k|FILE] [--prompts 16]
-                            [--group 8] [--requests] [--temperature 1.0] [--max-tokens 160]
-                            [--methods none consensus suffix ngram] [--runs 3] [--out PREFIX]
-
-docs/rollouts.md says how the batch is submitted (one ``LLM.generate``, G as
-``n`` or ``--requests``), what each method runs with and what is reported.
-Each method runs on a fresh engine per run, in alternating order; figures are
-medians over runs (every run in the JSON), ratios against ``none`` median
-over median.  The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0
-unless set otherwise), so its CPU time is this process's.
+docs/rollouts.md gives the command and says how the batch is submitted, what
+each method runs with, how the runs are ordered and what is reported.
+Figures are medians over runs (every run in the JSON), ratios against
+``none`` median over median.  The engine runs in this process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0 unless set otherwise), so its CPU time is
+this process's.
 """
 
 from __future__ import annotations
@@ -46,9 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--suffix-k", type=int, help="suffix num_speculative_tokens (default: vLLM's)")
     ap.add_argument("--ngram-k", type=int, default=5, help="ngram num_speculative_tokens")
     ap.add_argument("--ngram-lookup", type=int, nargs=2, default=[2, 4], metavar=("MIN", "MAX"))
-    ap.add_argument("--seed", type=int, default=0, help="engine seed")
     add_engine_args(ap)
-    ap.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
     ap.add_argument("--out", default="results/rollout", help="output prefix (.json, .md)")
     return ap
 
@@ -86,7 +80,7 @@ def submit(llm, prompts: list[str], args, max_tokens: int):
 
 
 def run_one(method: str, args, prompts: list[str], warm: list[str], run: int) -> dict:
-    from ..math.llm import build_llm, proposer_counters, shutdown, spec_config
+    from ..math.llm import build_llm, engine_config, proposer_counters, shutdown
     from .timeline import summarize
 
     t0 = time.perf_counter()
@@ -105,7 +99,7 @@ def run_one(method: str, args, prompts: list[str], warm: list[str], run: int) ->
     row = {"method": method, "run": run, "startup_s": startup, "cpu_s": cpu, **summarize(steps, wall),
            "rows": len(lengths), "output_tokens": sum(lengths), "shortest": min(lengths),
            "longest": max(lengths), "rows_at_max_tokens": sum(n >= args.max_tokens for n in lengths),
-           "speculative_config": spec_config(method, args)}
+           "speculative_config": engine_config(method, args)["speculative_config"]}
     if counters:
         row["proposer"] = {k: v for k, v in counters.items()
                            if k in ("num_drafted", "num_accepted", "step_costs_by_rows", "steps_timed",
