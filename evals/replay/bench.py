@@ -91,42 +91,6 @@ class CpuTimed:
         return s[len(s) // 2] if s else 0.0
 
 
-class LearningTrace:
-    """How fast the proposer's learned step costs approach the truth: per
-    verified step, the relative error of its predicted time for that step's
-    rows and draft tokens (drafter time excluded), and of the predicted cost
-    of its draft tokens."""
-
-    WITHIN = 0.05
-
-    def __init__(self, proposer, truth: StepCosts):
-        self.proposer, self.truth = proposer, truth
-        self.errors: list[float] = []
-        self.slope_errors: list[float] = []
-
-    def __call__(self, stats) -> None:
-        b, m = stats.step_rows[-1], stats.step_drafted[-1]
-        costs = self.proposer.budget.costs if self.proposer.budget is not None else None
-        if costs is None or b < 1:
-            return
-        t = costs.step_ms(b, max(m, b), drafter=False)
-        true_at = lambda q: self.truth.step_ms_clamped(b, q)  # noqa: E731
-        self.errors.append(abs(t[m] / true_at(1.0 + m / b) - 1.0))
-        one_more = true_at(2.0) - true_at(1.0)  # one draft token per row
-        if one_more > 0:
-            self.slope_errors.append(abs((t[b] - t[0]) / one_more - 1.0))
-
-    def summary(self) -> dict:
-        def settled(errors):  # first step after which every error is within WITHIN
-            bad = [i for i, e in enumerate(errors) if e > self.WITHIN]
-            return (bad[-1] + 1 if bad else 0) if errors else None
-        return {"steps": len(self.errors), "steps_to_5pct_step_time": settled(self.errors),
-                "steps_to_5pct_draft_cost": settled(self.slope_errors),
-                "final_step_time_error": round(self.errors[-1], 4) if self.errors else None,
-                "median_draft_cost_error": round(float(sorted(self.slope_errors)[len(self.slope_errors) // 2]), 4)
-                if self.slope_errors else None}
-
-
 class Bench:
     def __init__(self, args, costs: StepCosts | None, host: HostTime | None):
         self.args = args
@@ -148,7 +112,7 @@ class Bench:
         if not none:
             row["break_even_host_ms"] = break_even_host_ms(self.costs, b, tau, d, c)
         if self.host is not None:
-            h = self.host.host_ms(b) * self.args.host_time_scale
+            h = self.host.host_ms(b)
             row["host_ms"] = h
             # no drafting runs with async scheduling: it is the baseline itself
             row["speedup_async"] = 1.0 if none else self.costs.speedup(b, tau, d, c, h, async_base=True)
@@ -200,13 +164,11 @@ class Bench:
         memory = for_run(self.args, self.costs, method, clock, name, batch, tag)
         inner = build(clock, memory)
         drafter = CpuTimed(inner, log=getattr(self.args, "step_log", False))
-        learning = LearningTrace(inner.proposer, self.costs) if clock is not None else None
         n_paths = sum(len(p.completions) for p in problems)
         desc = f"{name} B={batch} {method}{tag} S={scouts}"
         t0 = time.perf_counter()
         with tqdm(total=n_paths, desc=desc, leave=False, disable=not sys.stderr.isatty()) as bar:
-            stats = replay(problems, drafter, method, k, batch, scouts, bar, clock=clock,
-                           on_step=learning)
+            stats = replay(problems, drafter, method, k, batch, scouts, bar, clock=clock)
         print(f"  {desc}: tau {stats.tau:.2f}, {drafter.us_per_row:.1f} µs/row-step CPU "
               f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         row = {"traces": name, "problems": len(problems), "batch": batch, **stats.summary(),
@@ -215,8 +177,7 @@ class Bench:
             row.update(inner.route_stats())
         if hasattr(inner, "budget_stats"):  # suffix-budget and consensus*: the budget's state
             row["budget"] = inner.budget_stats()
-        if learning is not None:
-            row["learning"] = learning.summary()
+        if clock is not None:  # consensus learning its step costs
             row["cost_counters"] = {key: value for key, value in inner.proposer.counters().items()
                                     if key.startswith(("steps_", "explore", "cost_model", "guard",
                                                        "learning"))}

@@ -3,26 +3,13 @@ tokens (``drafts_sha1``): the emulation the route was decided on
 (:class:`DeviceRouteDrafter`, ``device-emul-lagL``) and vLLM's speculator
 itself (:class:`SpeculatorDrafter`, ``device-lagL``).
 
-**The emulation**: what consensus drafting would keep and lose if it drafted
-on the GPU under async scheduling (vLLM Model Runner V2's speculator slot)
-instead of on the host between steps.  The host keeps the tries (a
-:class:`ConsensusDrafter`); a token written at call t (in ``sampled``) is
-appended to them at call t + lag, before that call's lookups, so it is
-draftable from call t + lag on, never before.  Each row gets what a device
-table keyed by context n-gram (per sibling group, and one shared table over
-the cross-group trie) holds for the row's *current* last tokens: where the
-lagged group trie matches at least ``min_match`` of them, the drafter's joint
-greedy walk from that context in both tries, else the cross-group trie's
-longest match alone; the emulation gives exactly the table's answer without
-building it.  K is fixed per step (vLLM's scheduled k): continuations are the
-most likely ones (no ``min_prob`` cut: every row pays for K), one shorter than
-K is padded with its last token, and a miss gets K fill tokens (the row's
-last token, as vLLM's ``NgramGPUSpeculator`` fills one).  Every
-``ACCOUNT_EVERY``-th call with K > 0 also counts the table (entries: the nodes
-of the live groups' tries and of the cross-group trie, each an 8-byte key and
-K int32 tokens) and the contexts whose counts changed or are new, a lower
-bound on an incremental refresh.  docs/async.md ("What was replayed", "The
-table and its refresh cost") gives the full account.
+**The emulation**: consensus drafting as it would run on the GPU under async
+scheduling (Model Runner V2's speculator slot).  The host's tries (a
+:class:`ConsensusDrafter`) get the tokens written at call t at call t + lag;
+each row gets K tokens, what a device table keyed by its current context
+would hold, or K fill tokens on a miss; every ``ACCOUNT_EVERY``-th call with
+K > 0 counts the table's entries and its changed contexts.  docs/async.md
+("What was replayed", "The table and its refresh cost") gives the full account.
 
 **The speculator**: ``ConsensusDeviceSpeculator`` built as Model Runner V2
 builds it, with a real ``RequestState`` and ``InputBatch`` holding CPU

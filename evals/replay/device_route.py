@@ -70,9 +70,7 @@ class HostTimed:
         self.emulation = emulation
         self.tries = LaggedTries(lag, emulation.drafter.options)
         self.paths: dict[str, int] = {}
-        self.feed_s: list[float] = []
-        self.delta_s: list[float] = []
-        self.wall_s: list[float] = []
+        self.times: list[tuple[float, float, float]] = []  # per call: feed and delta CPU, wall seconds
 
     def __call__(self, sampled, batch):
         import time
@@ -97,10 +95,7 @@ class HostTimed:
         if rows:
             tries.roots(paths)
         tries.delta(fed)
-        t2, w2 = time.thread_time(), time.perf_counter()
-        self.feed_s.append(t1 - t0)
-        self.delta_s.append(t2 - t1)
-        self.wall_s.append(w2 - w0)
+        self.times.append((t1 - t0, time.thread_time() - t1, time.perf_counter() - w0))
         return self.emulation(sampled, batch)
 
 
@@ -122,8 +117,8 @@ def host_bench(traces: str, rows: int, k: int, lag: int, limit: int, repeats: in
         replay(problems if r else problems[:2], timed, "device-host", k, rows)
         if not r:
             continue
-        feed, delta = np.array(timed.feed_s) * 1e6, np.array(timed.delta_s) * 1e6
-        both, wall = feed + delta, np.array(timed.wall_s) * 1e6
+        feed, delta, wall = np.array(timed.times).reshape(-1, 3).T * 1e6
+        both = feed + delta
         out.append({"rows": rows, "k": k, "lag": lag, "calls": len(both), "max_len": max_len(problems, k),
                     "host_us_median": float(np.median(both)), "host_us_p90": float(np.percentile(both, 90)),
                     "host_us_mean": float(both.mean()), "wall_us_median": float(np.median(wall)),

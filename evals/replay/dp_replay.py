@@ -4,14 +4,10 @@
                               [--methods consensus suffix] [--limit N] [--option KEY=VALUE]
 
 Every problem's N recorded paths are routed to D engines, each its own
-drafter replayed with ``rows / D`` batch rows (the total stays ``--rows``),
-under ``round_robin`` (vLLM's default for the children of an ``n > 1``
-request: child c goes to engine ``c mod D``) or ``pinned`` (every child to
-``consensus_spec.sampling.routing.data_parallel_rank(prompt, D)``, what the
-``X-data-parallel-rank`` header does); docs/parallelism.md says why.
-``one@rows/D``, one engine replaying every problem with ``rows / D`` rows,
-separates the routing effect from the batch-size effect.  tau is tokens per
-verified row-step over all engines, as in ``python -m evals replay``.
+drafter replayed with ``rows / D`` batch rows, under ``round_robin`` or
+``pinned`` (``data_parallel_rank``); ``one@rows/D`` is one engine at
+``rows / D`` rows.  docs/parallelism.md ("Replay, D engines") says what each
+is and why.  tau is tokens per verified row-step over all engines.
 """
 
 from __future__ import annotations
@@ -60,10 +56,9 @@ def replay_dp(problems: list[Problem], method: str, k: int, rows: int, dp: int, 
     if per_engine < 1:
         raise ValueError(f"--rows {rows} leaves no row per engine at dp={dp}")
     totals = dict(row_steps=0, tokens=0, drafted=0, accepted=0)
-    loads = []  # paths per engine
     shares = route(problems, dp, routing)
+    loads = [sum(len(p.completions) for p in share) for share in shares]  # paths per engine
     for share in shares:
-        loads.append(sum(len(p.completions) for p in share))
         if not share:
             continue
         stats = replay(share, make_drafter(method, k, length, per_engine, options),

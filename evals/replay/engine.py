@@ -141,29 +141,19 @@ class Queued:
         return None
 
 
-class _Admission:
+class _Admission(Queued):
     """Order in which paths enter: followers of problems whose scouts are done
     first, then the next problem's scouts (all paths when scouts=0)."""
 
     def __init__(self, problems: list[Problem], scouts: int):
-        self.problems = problems
-        self.scouts = scouts
-        self.next_problem = 0
-        self.ready: deque[tuple[int, int]] = deque()      # followers
-        self.opening: deque[tuple[int, int]] = deque()    # current problem's first paths
-        self.scouts_left: dict[int, int] = {}
+        self.problems, self.scouts = problems, scouts
+        first = [len(p.completions) if scouts <= 0 else min(scouts, len(p.completions)) for p in problems]
+        super().__init__((p, s) for p, f in enumerate(first) for s in range(f))  # the scouts, in order
+        self.ready: deque[tuple[int, int]] = deque()  # followers
+        self.scouts_left = {p: f for p, f in enumerate(first) if f < len(problems[p].completions)}
 
     def pop(self):
-        if self.ready:
-            return self.ready.popleft()
-        if not self.opening and self.next_problem < len(self.problems):
-            p = self.next_problem
-            self.next_problem += 1
-            n = len(self.problems[p].completions)
-            first = n if self.scouts <= 0 else min(self.scouts, n)
-            self.opening.extend((p, s) for s in range(first))
-            self.scouts_left[p] = first if first < n else 0
-        return self.opening.popleft() if self.opening else None
+        return self.ready.popleft() if self.ready else super().pop()
 
     def finished(self, p: int, s: int) -> None:
         if self.scouts_left.get(p, 0) > 0:

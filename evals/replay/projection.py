@@ -58,13 +58,11 @@ def _read_jsonl(path: str, what: str) -> list[dict]:
 
 class StepCosts:
     def __init__(self, rows: list[dict]):
-        self._table: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         by_b: dict[int, list[tuple[float, float]]] = {}
         for r in rows:
             by_b.setdefault(int(r["B"]), []).append((float(r["q"]), float(r["ms"])))
-        for b, pts in by_b.items():
-            pts.sort()
-            self._table[b] = (np.array([q for q, _ in pts]), np.array([ms for _, ms in pts]))
+        # per batch size, its (q, ms) points sorted by q as two arrays
+        self._table = {b: tuple(np.array(x) for x in zip(*sorted(pts))) for b, pts in by_b.items()}
 
     @classmethod
     def load(cls, path: str) -> "StepCosts":
@@ -82,11 +80,8 @@ class StepCosts:
     def with_slope_scale(self, scale: float) -> "StepCosts":
         """The same table with every step's cost above one token per row
         times ``scale``: T'(B, q) = T(B, 1) + scale (T(B, q) - T(B, 1))."""
-        out = []
-        for b, (qs, ms) in self._table.items():
-            one = float(np.interp(1.0, qs, ms))
-            out += [{"B": b, "q": float(q), "ms": one + scale * (float(m) - one)} for q, m in zip(qs, ms)]
-        return StepCosts(out)
+        one = {b: float(np.interp(1.0, qs, ms)) for b, (qs, ms) in self._table.items()}
+        return StepCosts([{**r, "ms": one[r["B"]] + scale * (r["ms"] - one[r["B"]])} for r in self.rows()])
 
     def rows(self) -> list[dict]:
         """The table as {"B", "q", "ms"} rows (what it was read from, scaled)."""
@@ -201,12 +196,9 @@ def run_ms(costs: StepCosts, step_rows, step_drafted, drafter_ms=None,
     return total
 
 
-# -- the start-up profile emulated (replay --startup-profile, --save-costs, --costs-from; their
-# --help says what each does).  A profile times the truth (``--costs``, as the replay's clock
-# reads it) at every bucket's batch size up to the run's rows and at q = 1, 2, 3, 5, 9, each
-# point times (1 + NOISE * a standard normal draw, seeded per run); its prior is the roofline
-# fitted to those points.  The proposer loads and saves through its real path (``CostMemory``):
-# the replay only names a machine (``name_machine``) and a temporary folder per run.
+# -- the start-up profile emulated (replay --startup-profile, --save-costs, --costs-from), as
+# docs/step_costs_prior.md ("Replay") describes it.  The proposer loads and saves through its real
+# path (``CostMemory``): the replay only names a machine (``name_machine``) and a temporary folder per run.
 
 
 def profile_rows(truth, max_rows: int, noise: float, rng) -> list[dict]:
@@ -268,8 +260,7 @@ class StartupCosts:
 
 def for_run(args, truth, method: str, clock, name: str, batch: int, tag: str = ""):
     """The run's StartupCosts, or None where nothing is remembered."""
-    wanted = (getattr(args, "startup_profile", None) is not None or getattr(args, "costs_from", None)
-              or getattr(args, "save_costs", None))
+    wanted = args.startup_profile is not None or args.costs_from or args.save_costs
     if not wanted or method != "consensus" or clock is None:
         return None
     return StartupCosts(args, truth, name, batch, tag)

@@ -74,8 +74,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--drafter-time-scale", type=float, default=1.0,
                     help="what-if: project with the measured drafter time times this (e.g. 0.5 for a "
                          "host CPU twice as fast as this one during the run)")
-    ap.add_argument("--host-time-scale", type=float, default=1.0,
-                    help="what-if: project with the host-time table's values times this")
     ap.add_argument("--costs-slope-scale", type=float, default=1.0,
                     help="what-if truth: the --costs table with each step's cost above one token "
                          "per row times this (drives the replay's clock and the projection)")
@@ -108,8 +106,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--limit must be >= 1")
     if args.tune_limit < 1 or args.repeats < 1:
         ap.error("--tune-limit and --repeats must be >= 1")
-    if args.drafter_time_scale < 0 or args.host_time_scale < 0 or args.costs_slope_scale < 0:
-        ap.error("--drafter-time-scale, --host-time-scale and --costs-slope-scale must be >= 0")
+    if args.drafter_time_scale < 0 or args.costs_slope_scale < 0:
+        ap.error("--drafter-time-scale and --costs-slope-scale must be >= 0")
     if args.admission == "fixed" and args.from_json:
         ap.error("--admission fixed replays: it has no --from-json")
     if args.group is not None and args.group < 1:
@@ -149,10 +147,7 @@ def reproject(args) -> tuple[list[dict], list[dict], dict]:
     strip = ("speedup", "speedup_async", "speedup_both_sync", "host_ms", "break_even_host_ms")
     results = [bench.project({k: v for k, v in r.items() if k not in strip}) for r in saved["results"]]
     sweeps = [bench.project({k: v for k, v in r.items() if k not in strip}) for r in saved.get("sweep", [])]
-    tuned = {name: {m: {**p, "k": {int(b): k for b, k in p["k"].items()},
-                        "speedup": {int(b): x for b, x in p["speedup"].items()}}
-                    for m, p in by_method.items()}
-             for name, by_method in saved.get("schedules", {}).items()}
+    tuned = saved.get("schedules", {})  # as saved (JSON keys): only the markdown and the .json read them
     if args.repick:
         for key in dict.fromkeys((r["traces"], r["method"]) for r in sweeps):
             rows = [r for r in sweeps if (r["traces"], r["method"]) == key and "speedup" in r]
@@ -178,8 +173,7 @@ def run(args) -> tuple[list[dict], list[dict], dict]:
                 for r in rows:
                     r["tune_problems"] = len(tune)
                 sweeps.extend(rows)
-                tuned[name][method] = pick_schedule(rows)
-                tuned[name][method]["tune_problems"] = len(tune)
+                tuned[name][method] = {**pick_schedule(rows), "tune_problems": len(tune)}
         for batch in args.batches:
             for scouts in args.scouts:
                 for method in args.methods:
@@ -217,10 +211,8 @@ def cpu_reference_s(n: int = 5_000_000) -> float:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    reference = []
     try:
-        if not args.from_json:
-            reference.append(cpu_reference_s())
+        reference = [] if args.from_json else [cpu_reference_s()]
         results, sweeps, tuned = reproject(args) if args.from_json else run(args)
         if not args.from_json:
             reference.append(cpu_reference_s())
@@ -236,11 +228,9 @@ def main(argv=None) -> int:
     else:
         table, checks = markdown(results, tuned, host), targets(results)
     sweep_table = sweep_markdown(sweeps)
-    scales = [f"{what} × {x:g}" for what, x in (("drafter time", args.drafter_time_scale),
-                                                ("host time", args.host_time_scale)) if x != 1.0]
-    if scales:
-        table = ("WHAT-IF projection: measured " + " and ".join(scales)
-                 + " (not what was measured).\n\n" + table)
+    if args.drafter_time_scale != 1.0:
+        table = (f"WHAT-IF projection: measured drafter time × {args.drafter_time_scale:g}"
+                 " (not what was measured).\n\n" + table)
     if reference:
         table += ("\n\nCPU speed during the run: a fixed pure-Python loop (5M additions) took "
                   + " / ".join(f"{x:.2f}" for x in reference) + " s of CPU time before / after "

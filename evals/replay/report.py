@@ -49,8 +49,7 @@ def markdown(results: list[dict], tuned: dict, host: HostTime | None = None) -> 
     for name in dict.fromkeys(r["traces"] for r in results):
         rows = [r for r in results if r["traces"] == name]
         methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
-        n_problems = rows[0]["problems"]
-        out.append(f"#### {name} ({n_problems} problems)\n")
+        out.append(f"#### {name} ({rows[0]['problems']} problems)\n")
         head = ["rows"] + [LABELS[m] + (", best schedule" if m in tuned.get(name, {}) else "")
                            for m in methods]
         out.append("| " + " | ".join(head) + " |")
@@ -58,12 +57,11 @@ def markdown(results: list[dict], tuned: dict, host: HostTime | None = None) -> 
         for batch in dict.fromkeys(r["batch"] for r in rows):
             for scouts in dict.fromkeys(r["scouts"] for r in rows):
                 label = f"{batch}" + (f", {scouts} scout" if scouts else "")
-                cells, best = [], max([1.0] + [r.get("speedup", 0.0) for r in rows  # none, baselines
-                                               if r["batch"] == batch and r["scouts"] == scouts
-                                               and r["method"] in BASELINES])
+                at = [r for r in rows if r["batch"] == batch and r["scouts"] == scouts]
+                cells, best = [], max([1.0] + [r.get("speedup", 0.0) for r in at  # none, baselines
+                                               if r["method"] in BASELINES])
                 for m in methods:
-                    runs = [r for r in rows if r["batch"] == batch and r["scouts"] == scouts
-                            and r["method"] == m]
+                    runs = [r for r in at if r["method"] == m]
                     if not runs:
                         cells.append("-")
                         continue

@@ -47,6 +47,16 @@ def rss_mb() -> float:
     return float("nan")
 
 
+def timed(fn, cpu_clock, out: list):
+    """``fn`` wrapped to append each call's (wall, ``cpu_clock``) seconds to ``out``."""
+    def call(*args, **kwargs):
+        t, cpu = time.perf_counter(), cpu_clock()
+        result = fn(*args, **kwargs)
+        out.append((time.perf_counter() - t, cpu_clock() - cpu))
+        return result
+    return call
+
+
 class Monitor:
     """``replay``'s per-step hook: cuts the run into windows of generated tokens."""
 
@@ -63,9 +73,8 @@ class Monitor:
         self._timed = None
         self.arena_bytes = proposer.drafter.forest.nbytes
         self.arena_changes = 0
-        self.call_s: list[float] = []      # wall seconds per propose() call
-        self.call_cpu_s: list[float] = []  # thread CPU seconds per call
-        self._time_calls()
+        self.calls: list[tuple[float, float]] = []  # (wall, thread CPU) seconds per propose() call
+        proposer.propose = timed(proposer.propose, time.thread_time, self.calls)
 
     def counters(self) -> dict:
         d = self.proposer.drafter
@@ -76,29 +85,9 @@ class Monitor:
         """Wrap the drafter's rotation to time each one (the drafter object
         is rebuilt if a step ever fails, hence checked every step)."""
         d = self.proposer.drafter
-        if self._timed is d:
-            return
-        rotate = d._rotate
-
-        def timed():
-            t, cpu = time.perf_counter(), time.process_time()
-            rotate()
-            self.evict_s.append((time.perf_counter() - t, time.process_time() - cpu))
-        d._rotate = timed
-        self._timed = d
-
-    def _time_calls(self) -> None:
-        """Wrap ``propose`` to time every call: wall and this thread's CPU."""
-        propose = self.proposer.propose
-
-        def timed(*args, **kwargs):
-            t, cpu = time.perf_counter(), time.thread_time()
-            try:
-                return propose(*args, **kwargs)
-            finally:
-                self.call_s.append(time.perf_counter() - t)
-                self.call_cpu_s.append(time.thread_time() - cpu)
-        self.proposer.propose = timed
+        if self._timed is not d:
+            d._rotate = timed(d._rotate, time.process_time, self.evict_s)
+            self._timed = d
 
     def end_pass(self, stats) -> None:
         for k in self.base:
@@ -153,11 +142,11 @@ def check(windows: list[dict]) -> list[str]:
     return sorted(set(failures))
 
 
-def call_percentiles(wall: list[float], cpu: list[float]) -> dict:
+def call_percentiles(calls: list[tuple[float, float]]) -> dict:
     """p50 / p99 / p99.9 / max of propose() calls, wall and thread CPU, in ms."""
-    out = {"propose_calls": len(wall)}
-    for name, xs in (("wall", wall), ("cpu", cpu)):
-        a = np.asarray(xs) * 1e3 if xs else np.zeros(1)
+    out = {"propose_calls": len(calls)}
+    for j, name in enumerate(("wall", "cpu")):
+        a = np.array([c[j] for c in calls]) * 1e3 if calls else np.zeros(1)
         for q, label in ((50, "p50"), (99, "p99"), (99.9, "p999")):
             out[f"propose_{name}_ms_{label}"] = float(np.percentile(a, q))
         out[f"propose_{name}_ms_max"] = float(a.max())
@@ -207,21 +196,18 @@ def run(args) -> dict:
         print(f"pass {p}: {stats.tokens:,} tokens, tau {stats.tau:.3f}, "
               f"{time.perf_counter() - monitor.t0:.0f} s", file=sys.stderr)
     monitor.close(dict(monitor.base))  # the last, partial window
-    windows = monitor.windows
-    node_limit = args.max_trie_nodes
-    failures = check(windows)
-    failed_steps = getattr(proposer, "num_failures", 0)
-    d = proposer.drafter
+    failures = check(monitor.windows)
+    failed_steps = proposer.num_failures
     summary = {
         "tokens": monitor.base["tokens"], "passes": p,
         "tau": monitor.base["tokens"] / max(monitor.base["row_steps"], 1),
-        "max_trie_nodes": node_limit, "peak_nodes": monitor.peak_nodes,
-        "peak_nodes_over_limit": monitor.peak_nodes / node_limit,
+        "max_trie_nodes": args.max_trie_nodes, "peak_nodes": monitor.peak_nodes,
+        "peak_nodes_over_limit": monitor.peak_nodes / args.max_trie_nodes,
         "peak_node_capacity": monitor.peak_capacity,
         "peak_array_bytes": monitor.peak_bytes,
-        "node_budget_bytes": d.forest._nodes.nbytes,  # the node array, without the edge tables
+        "node_budget_bytes": proposer.drafter.forest._nodes.nbytes,  # the node array, no edge tables
         "arena_reallocations": monitor.arena_changes,
-        **call_percentiles(monitor.call_s, monitor.call_cpu_s),
+        **call_percentiles(monitor.calls),
         "rss_start_mb": rss0, "rss_end_mb": rss_mb(),
         "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         **monitor.counters(),  # evictions, groups (live ones) and nodes evicted
@@ -232,7 +218,7 @@ def run(args) -> dict:
         "failed_steps": failed_steps, "check_failures": failures,
         "check_passed": not failures and not failed_steps,
     }
-    return {"args": vars(args), "summary": summary, "windows": windows}
+    return {"args": vars(args), "summary": summary, "windows": monitor.windows}
 
 
 def markdown(result: dict) -> str:
