@@ -144,6 +144,7 @@ def dry_run(args, problems) -> dict:
         return w if w == "auto" else {"waves": list(w.waves), "fill_idle": w.fill_idle}
 
     tokenizer, tokenizer_error = load_tokenizer(args.model)
+    engine = {m: engine_config(m, args) for m in args.methods}
     return {
         "dataset": args.dataset, "model": args.model, "methods": args.methods, "n": args.n,
         "max_tokens": max_tokens(args, problems),
@@ -153,8 +154,8 @@ def dry_run(args, problems) -> dict:
                      "fill_idle": s.fill_idle, "schedule": s.describe(), "wave_sizes": s.sizes(n),
                      "early_stop": early_stop_label(r), "stop_rule": rule_dict(r)}
                     for n, s, r in args.configs],
-        "speculative_config": {m: engine_config(m, args)["speculative_config"] for m in args.methods},
-        "additional_config": {m: engine_config(m, args)["additional_config"] for m in args.methods},
+        **{key: {m: engine[m][key] for m in args.methods}
+           for key in ("speculative_config", "additional_config")},
         "tokenizer_error": tokenizer_error,
         "prompt_style": prompt_style(problems, tokenizer),
         "problems": [{"id": p.id, "question": p.question, "gold": p.gold, "gold_key": p.gold_key,
