@@ -15,6 +15,7 @@ from .drafting.drafter import ConsensusDrafter, DrafterOptions
 from .sampling.results import ProblemResult, Sample, SelfConsistencyRun, SpecDecodeStats
 from .sampling.routing import data_parallel_rank, rank_headers, shard
 from .sampling.self_consistency import Voting, self_consistency
+from .sampling.answer_prior import AnswerPrior
 from .sampling.stopping import StopRule, should_stop
 from .sampling.waves import Schedule
 from .vllm.options import ProposerOptions, consensus, engine_args
@@ -24,7 +25,7 @@ from .voting.vote import (AnswerClass, BestOfN, VoteResult, best_of_n, logprob_w
                           majority_vote)
 
 __all__ = [
-    "AnswerClass", "BestOfN", "ConsensusDrafter", "ConsensusProposer", "DrafterOptions",
+    "AnswerClass", "AnswerPrior", "BestOfN", "ConsensusDrafter", "ConsensusProposer", "DrafterOptions",
     "ProblemResult", "ProposerOptions", "Sample", "Schedule", "SelfConsistencyRun",
     "SpecDecodeStats", "StopRule", "VoteResult", "Voting", "answers_equal", "best_of_n", "consensus",
     "data_parallel_rank", "engine_args", "extract_answer", "logprob_weights", "majority_vote",

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from consensus_spec.sampling.results import ProblemResult, Sample
-from consensus_spec.server.openai_protocol import (CHAT, COMPLETION, choice_json, parse_openai,
+from consensus_spec.server.openai_protocol import (CHAT, COMPLETION, choices_json, parse_openai,
                                                    representative, stream_chunks)
 from consensus_spec.server.options import BadRequest, Limits, parse_defaults
 from consensus_spec.voting.answers import extract_answer, extract_final_answer
@@ -63,6 +63,25 @@ def test_chat_refuses_tool_calls_and_takes_its_own_fields():
     assert _bad({**chat, "bogus": 1}, CHAT).param == "bogus"
 
 
+def test_chat_with_n_returns_every_path_unless_the_vote_is_asked():
+    """lighteval reads n chat choices as n samples: by default they are n real
+    paths (early stop off); lm-eval's completions get one voted choice a prompt."""
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 4}
+    _, opts = parse_openai(chat, CHAT, Limits(), {})
+    assert opts.choices == "paths" and opts.stop_rule is None and opts.schedule.all_at_once
+    _, opts = parse_openai({**chat, "n": 1}, CHAT, Limits(), {})
+    assert opts.choices == "vote" and opts.stop_rule is not None
+    _, opts = parse_openai({**chat, "choices": "vote"}, CHAT, Limits(), {})
+    assert opts.choices == "vote" and opts.stop_rule.kind == "bayes"
+    _, opts = parse_openai(OK, COMPLETION, Limits(), {})
+    assert opts.choices == "vote" and opts.stop_rule is not None
+    _, opts = parse_openai(OK, COMPLETION, Limits(), parse_defaults('{"choices": "paths"}'))
+    assert opts.choices == "paths" and opts.stop_rule is None
+    bad = _bad({**chat, "early_stop": True}, CHAT)  # every path, and a stop: a contradiction
+    assert bad.param == "early_stop" and "choices='vote'" in str(bad)
+    assert _bad({**chat, "choices": "some"}, CHAT).param == "choices"
+
+
 def test_server_defaults_sit_under_the_requests_own_fields():
     defaults = parse_defaults('{"answer_pattern": "is (\\\\d+)", "early_stop": false}')
     _, opts = parse_openai(OK, COMPLETION, Limits(), defaults)
@@ -97,9 +116,15 @@ def test_choice_and_stream_chunks_have_openai_shapes():
     from consensus_spec.server.options import RunOptionsIn, resolve_options
 
     opts = resolve_options(RunOptionsIn(), Limits())
-    c = choice_json(COMPLETION, 1, r, req, opts, None, [7, 8])
+    (c,) = choices_json(COMPLETION, 1, r, req, opts, None, [7, 8])
     assert c["text"] == "The answer is 5." and c["index"] == 1 and c["token_ids"] == [1, 2]
     assert c["prompt_token_ids"] == [7, 8] and c["self_consistency"]["seeds"] == [12, 13]
+    # every path: n choices of prompt 1 (indices 2, 3), the voted path first, seeds the prompt's
+    opts = resolve_options(RunOptionsIn(choices="paths"), Limits())
+    both = choices_json(COMPLETION, 1, r, req, opts, None, [7, 8])
+    assert [x["index"] for x in both] == [2, 3]
+    assert [x["self_consistency"]["representative_path"] for x in both] == [0, 1]
+    assert all(x["self_consistency"]["seeds"] == [12, 13] for x in both)
     first, last = stream_chunks(COMPLETION, "id", "m", int(time.time()), c)
     assert first["choices"][0]["text"] == c["text"] and first["choices"][0]["finish_reason"] is None
     assert last["choices"][0]["finish_reason"] == "stop" and "self_consistency" in last["choices"][0]

@@ -156,8 +156,16 @@ def test_describe_and_default():
     assert StopRule(kind="window", window=5).describe() == "window(5)"
     assert StopRule(kind="beta", error=0.05, min_samples=3).describe() == "beta(error=0.05, min=3)"
     assert StopRule(kind="margin", margin=2, min_samples=2).describe() == "margin(margin=2, min=2)"
-    assert StopRule().kind == "sequential"  # chosen by leave-one-set-out in `python -m evals stop-rules`
+    assert StopRule().kind == "bayes"  # chosen by leave-one-set-out in `python -m evals stop-rules`
+    assert StopRule().describe() == "bayes(error=0.002)" and StopRule().min_samples == 1
     assert StopRule(kind="sequential", error=0.05).describe() == "sequential(error=0.05, min=3)"
+    assert StopRule(kind="sequential").error == 0.2 and StopRule(kind="window").window == 4
+    # the peers at their published settings
+    assert StopRule(kind="adaptive").describe() == "adaptive(error=0.05)"
+    assert StopRule(kind="esc").describe() == "esc(5)" and StopRule(kind="consol").describe() == "consol"
+    assert StopRule(kind="margin").error is None  # no stated error
+    # switching kind takes the new kind's defaults, not the old one's
+    assert StopRule().with_overrides(kind="sequential").error == 0.2
 
 
 # --- replay eval -----------------------------------------------------------
@@ -229,7 +237,7 @@ def every_path(tmp_path_factory):
 
 def test_evaluate_on_tiny_traces(every_path):
     s = every_path["sets"]["tiny"]
-    decided, beta = s["rules"]["decided"], s["rules"]["beta(error=0.1, min=3)"]
+    decided, beta = s["rules"]["decided"], s["rules"]["beta(error=0.05, min=3)"]
     assert decided["agreement"] == 1.0 and decided["agreement_perm_worst"] == 1.0
     assert decided["gold_acc"] == decided["gold_acc_full"] == pytest.approx(2 / 3)
     split = next(p for p in s["per_problem"] if p["id"] == "split")

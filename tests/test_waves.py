@@ -53,9 +53,10 @@ def test_schedule_parse_describe_and_defaults():
     assert Schedule.parse("4 4 rest", capacity=8).capacity == 8
     assert Schedule.parse("all") == ALL_AT_ONCE and ALL_AT_ONCE.all_at_once
     assert Schedule(waves=[4, 4, REST]).waves == (4, 4, REST)  # lists become tuples: hashable
-    assert Schedule().waves == DEFAULT_WAVES and Schedule().check == "wave"
+    assert Schedule().waves == DEFAULT_WAVES and Schedule().check == "index"
     assert Schedule.parse("4,4,rest").describe() == "4,4,rest"
     assert Schedule(waves=(REST,), check="path").describe() == "all+path-check"
+    assert Schedule.parse("2+wave-check") == Schedule(check="wave")
     for bad in ("", "x", "4,rest,4", "0,rest"):
         with pytest.raises(ValueError):
             Schedule.parse(bad)
@@ -201,7 +202,7 @@ def test_stop_is_checked_only_at_wave_boundaries():
         calls.append((p, len(answers), remaining))
         return False
 
-    plan = PathPlanner(2, n=10, schedule=Schedule(waves=(2, 3, REST)), stop_check=check)
+    plan = PathPlanner(2, n=10, schedule=Schedule(waves=(2, 3, REST), check="wave"), stop_check=check)
     lengths = [[1 + (k * 7) % 5 for k in range(10)] for _ in range(2)]
     simulate(plan, lengths)
     for p in range(2):  # after 2 and 5 finished paths; never after the last wave
@@ -247,9 +248,40 @@ def test_path_check_is_asked_after_every_path_and_wave_check_is_not():
 
 
 def test_nothing_remaining_means_no_check():
-    plan = PathPlanner(1, n=2, stop_check=lambda *a: pytest.fail("checked with nothing left"))
-    simulate(plan, [[1, 1]])
-    assert plan.all_done and not plan.stopped
+    for check in ("index", "wave", "path"):
+        seen = []
+        plan = PathPlanner(1, n=2, schedule=Schedule(waves=(REST,), check=check),
+                           stop_check=lambda p, a, r: seen.append(r) or False)
+        simulate(plan, [[1, 1]])
+        assert plan.all_done and not plan.stopped and 0 not in seen, check
+        assert seen == ([] if check == "wave" else [1]), check
+
+
+def test_index_check_votes_in_path_order_and_stops_the_running_siblings():
+    seen = []
+
+    def check(p, answers, remaining):
+        seen.append((list(answers), remaining))
+        return answers == ["a", "a", "a"]
+
+    plan = PathPlanner(1, n=8, schedule=Schedule(waves=(2,), capacity=4), stop_check=check)
+    assert plan.admit() == [(0, 0), (0, 1), (0, 2), (0, 3)]  # idle fill opened wave 1 too
+    assert plan.on_finish(0, 1, "b")[1] == []  # path 0 still runs: no look
+    assert seen == []
+    plan.on_finish(0, 0, "a")  # paths 0 and 1 done: the looks at 1 and 2, in path order
+    assert seen == [(["a"], 7), (["a", "b"], 6)]
+    plan.on_finish(0, 3, "a")  # path 2 still runs: no look
+    assert len(seen) == 2
+    submit, abort = plan.on_finish(0, 2, "a")
+    assert seen[2:] == [(["a", "b", "a"], 5), (["a", "b", "a", "a"], 4)]
+    assert plan.stopped == set() and abort == []
+    plan = PathPlanner(1, n=8, schedule=Schedule(waves=(2,), capacity=4), stop_check=check)
+    plan.admit()
+    for k in (0, 1):
+        plan.on_finish(0, k, "a")
+    submit, abort = plan.on_finish(0, 2, "a")  # the look at 3 stops: path 3 and the rest go
+    assert plan.stopped == {0} and (0, 3) in abort and not submit
+    assert plan.num_inflight == 0 and plan.all_done
 
 
 # ---------------------------------------------------------------------------
@@ -275,7 +307,8 @@ def test_early_waves_do_not_enter_an_earlier_waves_vote_and_stop_aborts_them():
         seen.append((list(answers), remaining))
         return answers == ["a", "a"]
 
-    plan = PathPlanner(1, n=6, schedule=Schedule(waves=(2, 2, REST), capacity=4), stop_check=check)
+    plan = PathPlanner(1, n=6, schedule=Schedule(waves=(2, 2, REST), capacity=4, check="wave"),
+                       stop_check=check)
     assert plan.admit() == [(0, 0), (0, 1), (0, 2), (0, 3)]
     assert plan.on_finish(0, 2, "b") == ([(0, 4)], [])  # wave 1 path first: no vote due yet
     assert plan.on_finish(0, 0, "a") == ([(0, 5)], [])
@@ -288,7 +321,7 @@ def test_early_waves_do_not_enter_an_earlier_waves_vote_and_stop_aborts_them():
 
 def test_waves_are_checked_in_order_when_a_later_one_finishes_first():
     seen = []
-    plan = PathPlanner(1, n=6, schedule=Schedule(waves=(2, 2, REST), capacity=6),
+    plan = PathPlanner(1, n=6, schedule=Schedule(waves=(2, 2, REST), capacity=6, check="wave"),
                        stop_check=lambda p, a, r: seen.append((len(a), r)) or False)
     assert len(plan.admit()) == 6
     for k in (2, 3, 4, 0):
@@ -309,5 +342,7 @@ def test_fill_idle_is_validated_and_described():
         assert Schedule.parse(schedule.describe()) == schedule  # round trip
     with pytest.raises(ValueError, match="flag"):
         Schedule.parse("4+eager")
-    assert Schedule(waves=(4,)).may_abort and not Schedule(waves=(4,), fill_idle=False).may_abort
-    assert not ALL_AT_ONCE.may_abort and Schedule(waves=(REST,), check="path").may_abort
+    assert Schedule(waves=(4,)).may_abort and Schedule(waves=(4,), fill_idle=False).may_abort
+    assert not Schedule(waves=(4,), fill_idle=False, check="wave").may_abort
+    assert not Schedule(waves=(REST,), check="wave").may_abort
+    assert Schedule(waves=(REST,), check="path").may_abort and ALL_AT_ONCE.may_abort

@@ -55,6 +55,7 @@ async def run_paths_async(
     on_start: Callable[[PathBook], None] | None = None,
     run_ahead: Any = None,
     keep_outputs: bool = False,
+    prior: Any = None,
 ) -> SelfConsistencyRun:
     """Sample up to ``n`` paths per prompt through ``generate``, in waves, and vote.
 
@@ -72,11 +73,13 @@ async def run_paths_async(
     ``on_start(book)`` sees the run's :class:`PathBook` before any path is sent;
     ``run_ahead`` (a :class:`~consensus_spec.sampling.run_ahead.RunAhead`)
     decides which later waves idle rows start early; ``keep_outputs``
-    keeps each path's token ids and logprobs.
+    keeps each path's token ids and logprobs; ``prior``: the stop rule's
+    :class:`~consensus_spec.sampling.answer_prior.AnswerPrior` (a server
+    keeps one for all its runs).
     """
     schedule, voting = check_run_options(schedule, stop_rule, voting)
     book = PathBook(len(prompts), n, schedule, stop_rule, voting, max_tokens, on_vote, idle_rows,
-                    run_ahead, keep_outputs)
+                    run_ahead, keep_outputs, prior)
     if on_start is not None:
         on_start(book)
     run_id = run_id or uuid.uuid4().hex[:12]

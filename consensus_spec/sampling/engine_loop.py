@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 from ..voting.answers import DEFAULT_TIMEOUT_S, extract_answer
 from .results import ProblemResult, Sample, SelfConsistencyRun, SpecDecodeStats
 from .routing import request_pinning
+from .answer_prior import AnswerPrior
 from .stopping import StopRule
 from .stopping import should_stop as rule_says_stop
 from ..voting.vote import VoteResult, logprob_weights, majority_vote
@@ -206,15 +207,23 @@ class PathBook:
     ``on_vote(problem, answers, remaining, stop)`` is told every stop vote
     the planner takes (e.g. to stream it); ``idle_rows`` and ``run_ahead``
     go to the planner; ``keep_outputs`` keeps each path's token ids and
-    logprobs in its :class:`Sample`.
+    logprobs in its :class:`Sample`.  ``prior``: the run's
+    :class:`AnswerPrior` for a ``bayes`` rule (default: a new learning one);
+    every problem's final vote is shown to it as soon as it is known.
     """
 
     def __init__(self, num: int, n: int, schedule: Schedule, stop_rule: StopRule | None,
                  voting: Voting, max_tokens: int,
                  on_vote: Callable[[int, list, int, bool], None] | None = None,
                  idle_rows: Callable[[], int] | None = None, run_ahead: Any = None,
-                 keep_outputs: bool = False):
+                 keep_outputs: bool = False, prior: AnswerPrior | None = None):
         self.n, self.schedule, self.stop_rule, self.voting = n, schedule, stop_rule, voting
+        if prior is None and stop_rule is not None and stop_rule.kind == "bayes":
+            prior = AnswerPrior.learning()
+        self.prior = prior
+        if run_ahead is not None and getattr(run_ahead, "prior", None) is None:
+            run_ahead.prior = prior
+        self._votes: dict[int, tuple[VoteResult, list[float] | None]] = {}  # final votes
         self.keep_outputs = keep_outputs
         self.max_tokens = max_tokens
         self.samples: dict[int, dict[int, Sample]] = {i: {} for i in range(num)}
@@ -223,7 +232,8 @@ class PathBook:
         self.last_look: dict[int, tuple[int, int]] = {}  # problem -> (paths voted, remaining) at its last vote
 
         def stop_check(p: int, answers: list, remaining: int) -> bool:
-            stop = rule_says_stop(answers, remaining, stop_rule, timeout_s=voting.timeout_s)
+            stop = rule_says_stop(answers, remaining, stop_rule, prior=self.prior,
+                                  timeout_s=voting.timeout_s)
             self.last_look[p] = (len(answers), remaining)
             if on_vote is not None:
                 on_vote(p, answers, remaining, stop)
@@ -261,6 +271,11 @@ class PathBook:
         to_submit, to_abort = self.planner.on_finish(p, k, self.samples[p][k].answer)
         for a in to_abort:
             self.aborted.setdefault(a[0], {})[a[1]] = self.accs.pop(a)
+        if self.prior is not None and self.planner.done(p):
+            vote = self._votes[p] = self.vote_of(p)
+            done = self._finished(p)
+            self.prior.observe([c.count for c in vote[0].classes], vote[0].num_abstained,
+                               sum(x.num_tokens for x in done) / len(done) if done else None)
         return self._started(to_submit), to_abort
 
     def _started(self, paths: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -285,7 +300,7 @@ class PathBook:
 
     def result(self, p: int) -> ProblemResult:
         done = self._finished(p)
-        vote, weights = self.vote_of(p, done)
+        vote, weights = self._votes[p] if p in self._votes else self.vote_of(p, done)
         # cancelled: the aborted paths, and at 0 tokens the paths a stop left unsent
         cancelled = [acc.num_tokens for acc in self.aborted.get(p, {}).values()]
         if p in self.planner.stopped:
@@ -330,6 +345,7 @@ def run_paths(
     delta: bool = False,
     render: Callable[[Any], Any] | None = None,
     on_problem_done: Callable[[int], None] | None = None,
+    prior: AnswerPrior | None = None,
 ) -> SelfConsistencyRun:
     """Engine-level loop behind :func:`self_consistency` (vLLM-agnostic).
 
@@ -341,13 +357,14 @@ def run_paths(
     ``schedule`` (default: see :func:`resolve_schedule`) sets waves and
     capacity; ``stop_rule`` (None: never stop early) is asked with the
     unweighted answers.  ``on_problem_done(problem)`` is called once per
-    problem as soon as its vote is final.  Returns the run without
+    problem as soon as its vote is final; ``prior``: the stop rule's
+    :class:`AnswerPrior` (see :class:`PathBook`).  Returns the run without
     spec-decode stats (the caller reads those from vLLM).
     """
     schedule, voting = check_run_options(schedule, stop_rule, voting)
     if engine.has_unfinished_requests():
         raise RuntimeError("self_consistency needs an idle engine")
-    book = PathBook(len(prompts), n, schedule, stop_rule, voting, max_tokens)
+    book = PathBook(len(prompts), n, schedule, stop_rule, voting, max_tokens, prior=prior)
     planner = book.planner
     run_id = uuid.uuid4().hex[:8]
     rid = lambda p, k: f"sc{run_id}-{p}-{k}"  # noqa: E731

@@ -77,6 +77,11 @@ class ProblemResult:
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.samples) + self.aborted_tokens
 
+    @property
+    def ended_in_flight(self) -> int:
+        """Paths a stop aborted while they ran (the rest of num_aborted were never sent)."""
+        return self.num_sent - len(self.samples)
+
     def best_of_n(self, scorer="mean_logprob") -> BestOfN | None:
         """Single best path by ``scorer`` (see :func:`voting.best_of_n`)."""
         return best_of_n(self.samples, scorer)
@@ -106,6 +111,10 @@ class SelfConsistencyRun:
         return sum(p.num_tokens for p in self.problems)
 
     @property
+    def paths_ended_in_flight(self) -> int:
+        return sum(p.ended_in_flight for p in self.problems)
+
+    @property
     def est_tokens_saved(self) -> int:
         return sum(p.est_tokens_saved for p in self.problems)
 
@@ -113,3 +122,27 @@ class SelfConsistencyRun:
     def num_samples(self) -> int:
         """Completed paths over all problems."""
         return sum(len(p.samples) for p in self.problems)
+
+
+@dataclass
+class StoppingTotals:
+    """What early stop saved over many runs (a server's state)."""
+
+    problems: int = 0
+    stopped_early: int = 0
+    tokens: int = 0  # generated, aborted paths' included
+    tokens_saved_estimate: int = 0  # against running every path
+    paths_ended_in_flight: int = 0
+    paths_never_sent: int = 0
+
+    def add(self, run: "SelfConsistencyRun") -> None:
+        for r in run.problems:
+            self.problems += 1
+            self.stopped_early += r.stopped_early
+            self.tokens += r.num_tokens
+            self.tokens_saved_estimate += r.est_tokens_saved
+            self.paths_ended_in_flight += r.ended_in_flight
+            self.paths_never_sent += r.num_aborted - r.ended_in_flight
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)

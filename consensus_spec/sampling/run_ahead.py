@@ -49,14 +49,16 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any, Callable, Protocol, Sequence
 
 from ..voting.answers import normalize_answer
+from .answer_prior import AnswerPrior
 from .stopping import StopRule, should_stop_ids
 
 __all__ = ["RowCosts", "RunAhead", "RunAheadStats", "need_probability", "tally_keys"]
 
+NEED_CACHE_SIZE = 1 << 16
+_NEED_CACHE: dict = {}  # keyed by the prior's key, not the prior: a server's runs come and go
 NONE_PSEUDO = 0.5  # prior weight of "no answer" in the predictive (answers are the usual case)
 SHARED_PROBLEMS = 3.0  # problems beside this one at which the rows-of-work criterion binds in full
 
@@ -92,9 +94,8 @@ def _ids(counts: Sequence[int], none: int) -> list[int | None]:
     return out + [None] * none
 
 
-@lru_cache(maxsize=1 << 16)
 def need_probability(counts: tuple[int, ...], none: int, looks: tuple[int, ...], n: int,
-                     rule: StopRule) -> float:
+                     rule: StopRule, prior: AnswerPrior | None = None) -> float:
     """P(the stop rule stops at none of ``looks``) given the answers seen.
 
     ``counts``: vote counts ranked (most first), ``none``: paths without an
@@ -103,8 +104,20 @@ def need_probability(counts: tuple[int, ...], none: int, looks: tuple[int, ...],
     three outcomes (the leader's answer, another answer, none) with the
     counts seen plus one (``NONE_PSEUDO`` for none) as its weights; another
     answer joins the runner-up (the case that stops least).  A look at
-    fewer paths than were seen is taken on the answers seen.
+    fewer paths than were seen is taken on the answers seen.  ``prior``: the
+    run's :class:`AnswerPrior` a ``bayes`` rule votes with.
     """
+    key = (counts, none, looks, n, rule, None if prior is None else prior.key)
+    hit = _NEED_CACHE.get(key)
+    if hit is None:
+        if len(_NEED_CACHE) >= NEED_CACHE_SIZE:
+            _NEED_CACHE.clear()
+        hit = _NEED_CACHE[key] = _need(counts, none, looks, n, rule, prior)
+    return hit
+
+
+def _need(counts: tuple[int, ...], none: int, looks: tuple[int, ...], n: int, rule: StopRule,
+          prior: AnswerPrior | None) -> float:
     seen = sum(counts) + none
     lead, second = (counts[0] if counts else 0), (counts[1] if len(counts) > 1 else 0)
     rest = tuple(counts[2:])
@@ -119,7 +132,7 @@ def need_probability(counts: tuple[int, ...], none: int, looks: tuple[int, ...],
         for (dl, do, dn), p in alive.items():
             ranked = sorted((lead + dl, second + do) + rest, reverse=True)
             ids = _ids(ranked, none + dn)
-            if not should_stop_ids(ids, n - len(ids), rule):
+            if not should_stop_ids(ids, n - len(ids), rule, prior=prior):
                 nxt[(dl, do, dn)] = p
         alive = nxt
         if not alive:
@@ -179,6 +192,7 @@ class RunAhead:
     costs: RowCosts | None = None
     objective: str = "latency"  # or "throughput" (module docstring)
     stats: RunAheadStats = field(default_factory=RunAheadStats)
+    prior: AnswerPrior | None = None  # the run's, for a "bayes" rule (PathBook sets it)
 
     def __post_init__(self) -> None:
         if self.objective not in ("latency", "throughput"):
@@ -189,7 +203,7 @@ class RunAhead:
         if self.rule is None or not looks:
             return 1.0
         counts, none = tally_keys(answers)
-        return need_probability(counts, none, tuple(looks), n, self.rule)
+        return need_probability(counts, none, tuple(looks), n, self.rule, self.prior)
 
     def kappa(self, rows: int, extra: int) -> float:
         if self.costs is None or extra <= 0 or rows <= 0:

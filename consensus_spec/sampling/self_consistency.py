@@ -32,11 +32,13 @@ from .engine_loop import (  # noqa: F401  (_tokens_saved: re-exported for tests)
     run_paths,
     spec_stats_delta,
 )
+from .answer_prior import AnswerPrior
 from .stopping import StopRule
-from .waves import ALL_AT_ONCE, REST, PathPlanner, Schedule
+from .waves import ALL_AT_ONCE, PathPlanner, Schedule
 
 __all__ = [
     "ALL_AT_ONCE",
+    "AnswerPrior",
     "PathPlanner",
     "ProblemResult",
     "Sample",
@@ -93,6 +95,7 @@ def self_consistency(
     stop: list[str] | None = None,
     sampling_kwargs: dict[str, Any] | None = None,
     on_problem_done: Callable[[int], None] | None = None,
+    prior: AnswerPrior | None = None,
     **legacy: Any,
 ) -> SelfConsistencyRun:
     """Sample up to ``n`` paths per problem with ``llm`` (a ``vllm.LLM``) and vote.
@@ -100,14 +103,16 @@ def self_consistency(
     ``prompt_template``: None (problems are prompts), a string with a
     ``{problem}`` placeholder, or a callable problem -> prompt.
     ``early_stop``: None (all ``n`` paths), True (the default
-    :class:`StopRule`: a sequential test whose chance of stopping on an
-    answer other than the full-N vote is <= 20% for any problem, over all
-    looks, when paths are exchangeable), ``"decided"`` (exact: only when the
-    remaining paths cannot change the winner), another rule kind, or a
-    :class:`StopRule`.
+    :class:`StopRule`: stop once the chance that the rest of the paths flip
+    the vote is <= 0.2% under a prior over how problems split their answers,
+    which the run learns from its finished problems), ``"decided"`` (exact:
+    only when the remaining paths cannot change the winner), another rule
+    kind, or a :class:`StopRule`.  ``prior``: the :class:`AnswerPrior` the
+    rule learns into (default: a new one per call; pass one to carry what it
+    learned across calls that feed problems a few at a time).
     ``schedule``: :class:`Schedule` (waves, capacity, check); default: waves
-    of 2 with a stop rule, all at once without; capacity defaults to the
-    engine's ``max_num_seqs``.
+    of 2 with a vote after every path in path order with a stop rule, all at
+    once without; capacity defaults to the engine's ``max_num_seqs``.
     ``voting``: :class:`Voting` (answer extraction, logprob weights).
     ``logprobs``: request the sampled tokens' logprobs; None (default): only
     when weighted voting needs them (they cost vLLM extra work per draft
@@ -163,7 +168,7 @@ def self_consistency(
     before = read_spec_counters(llm)
     run = run_paths(engine, prompts, make_params, n, schedule=schedule, stop_rule=stop_rule,
                     voting=voting, max_tokens=max_tokens, delta=delta, render=render,
-                    on_problem_done=on_problem_done)
+                    on_problem_done=on_problem_done, prior=prior)
     run.spec_decode = spec_stats_delta(before, read_spec_counters(llm))
     run.config.update(temperature=temperature, top_p=top_p, seed=seed)
     return run

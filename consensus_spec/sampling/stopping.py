@@ -6,13 +6,26 @@ grouped into equivalence classes by :func:`consensus_spec.voting.vote.cluster_an
 and the rules then work on class ids (:func:`should_stop_ids`), which is also
 the fast path the replay evaluation uses (``python -m evals stop-rules``).
 
-Rules (``StopRule.kind``); every rule also stops when the vote is *decided*:
+Rules (``StopRule.kind``); every rule of ours also stops when the vote is
+*decided* (the peers' kinds, last, do exactly what their authors' code does):
 
+``"bayes"`` (the default)
+    Empirical Bayes: stop when the posterior chance that the vote still
+    flips is <= ``error``.  The posterior is over the shares of the
+    problem's two most common answers, under a prior that the run learns
+    from its own finished problems (:class:`~consensus_spec.sampling.answer_prior.AnswerPrior`,
+    passed as ``prior``; without one, the shipped prior fitted on recorded
+    traces).  A flip is the runner-up, or an answer not seen yet, ending
+    strictly ahead of the leader after all N paths (a tie does not count).
+    The chance is exact under the model and the prior; it is not a
+    frequentist bound: a prior far from the run's problems (before the run
+    has learned) misstates it.  Default ``error`` chosen by leave-one-set-out
+    cross-validation (``python -m evals stop-rules``, docs/stopping.md).
 ``"decided"``
     The leader's lead exceeds the number of remaining paths, so even if all
     of them joined the runner-up the full-N majority could not change.  Exact:
     zero disagreement with the full-N vote.
-``"sequential"`` (the default)
+``"sequential"``
     A group-sequential permutation test with alpha spending: stop after k of
     n paths when the leader holds at least ``h_k`` of them, with the boundary
     from :func:`sequential_boundary`.  Guarantee, over the *whole sequence of
@@ -25,25 +38,35 @@ Rules (``StopRule.kind``); every rule also stops when the vote is *decided*:
     case over answer splits (the worst is a 50/50 two-answer split), so the
     realized rate on real problems is far below ``error``.
 ``"predictive"``
-    Bayesian posterior predictive: a Dirichlet(1 + counts) posterior over the
-    seen classes plus one "new answer" class (uniform prior) predicts the
-    remaining paths, and the rule stops when P(some class ends level with or
-    ahead of the current leader after all N paths) <= ``error`` (union bound
-    over challengers; ties count as flips).  ``error`` bounds the flip
-    probability *at one look* under that prior; it is not a bound over the
-    sequence of looks or over a population of problems (on unseen trace sets
-    0.05 gave 98% agreement with the full-N vote).
+    Bayesian posterior predictive under a uniform Dirichlet prior over the
+    seen classes plus one "new answer" class; stops when P(some class ends
+    level with or ahead of the leader) <= ``error`` (union bound over
+    challengers; ties count as flips), at one look.
 ``"beta"``
     Beta(1 + a, 1 + b) posterior on the leader's share among the votes for the
     leader (a) and runner-up (b); stops when P(leader's true rate > runner-up's)
-    >= 1 - ``error``.  Error target: picking the wrong *population* mode
-    between the top two, at one look; it ignores N, third classes and ``remaining``.
+    >= 1 - ``error``.  At one look; it ignores N, third classes and ``remaining``.
 ``"window"``
-    ESC (Li et al. 2024): the last ``window`` finished paths all gave the
-    same answer, and that answer leads.  No stated error target (heuristic).
+    The last ``window`` finished paths all gave the leading answer (sliding).
 ``"margin"``
-    The leader leads by at least ``margin`` votes (the engine's old heuristic).
-    No stated error target.
+    The leader leads by at least ``margin`` votes.
+
+The peers, as their authors' code has them (answers that are None vote for
+nothing; their code would count an unparsed answer as one more answer):
+
+``"adaptive"``
+    Adaptive-Consistency (Aggarwal et al. 2023, ``BetaStoppingCriteria``):
+    P(p > 1/2) >= 1 - ``error`` for p ~ Beta(a + 1, b + 1), a and b the top
+    two answers' votes; a look after every path, no other stop (published:
+    ``error`` 0.05).
+``"esc"``
+    Early-Stopping Self-Consistency (Li et al. 2024): windows of ``window``
+    paths that do not overlap (published: 5); stop after a window whose
+    answers are all the same, and answer with it.
+``"consol"``
+    ConSol (arXiv 2503.17587, 2025; ``SprtConfidenceModel``): Wald's SPRT of the top
+    two answers' votes, p0 = 0.5 against p1 = 0.5001, alpha = 0.05, beta =
+    1 - 0.05 - 0.000024 as published (it stops at a lead of 3).
 
 Statistical rules wait for ``min_samples`` votes (answers that are not None).
 Votes are unweighted.  Unanswerable paths (None) count as paths seen but vote
@@ -53,6 +76,7 @@ for nothing.
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from dataclasses import dataclass
 from functools import lru_cache
@@ -62,92 +86,113 @@ import numpy as np
 
 from ..voting.answers import DEFAULT_TIMEOUT_S
 from ..voting.vote import cluster_answers
+from .answer_prior import AnswerPrior
 
-__all__ = ["KINDS", "SPEND_EXPONENT", "StopRule", "sequential_boundary", "should_stop",
-           "should_stop_ids", "tally"]
+__all__ = ["KINDS", "PEERS", "SPEND_EXPONENT", "AnswerPrior", "StopRule", "sequential_boundary",
+           "should_stop", "should_stop_ids", "stop_answer", "tally"]
 
-KINDS = ("decided", "sequential", "predictive", "beta", "window", "margin")
+KINDS = ("bayes", "decided", "sequential", "predictive", "beta", "window", "margin",
+         "adaptive", "esc", "consol")
+PEERS = ("adaptive", "esc", "consol")  # as published: no decided stop, no min_samples
+# per kind: the default error (kinds with a stated error), min_samples and window
+DEFAULT_ERROR = {"bayes": 0.002, "sequential": 0.2, "predictive": 0.05, "beta": 0.05,
+                 "adaptive": 0.05}
+DEFAULT_MIN_SAMPLES = {"bayes": 1}  # other kinds of ours: 3
+DEFAULT_WINDOW = {"esc": 5}  # "window": 4
 # "sequential": the error spent by the look after k of n paths is error * (k/n) ** SPEND_EXPONENT.
 SPEND_EXPONENT = 0.25
+# "consol": ConSol's SprtConfidenceModel as published (p0 = 0.5)
+CONSOL_P1, CONSOL_ALPHA, CONSOL_BETA = 0.5001, 0.05, 1 - 0.05 - 0.000024
 
 
 @dataclass(frozen=True)
 class StopRule:
     """When a problem's vote may stop early (see the module docstring for each kind).
 
-    The default, ``sequential`` with ``error`` 0.2, makes a promise over the
-    whole sequence of looks.  Guarantee: for any multiset of answers of the n
-    paths, if the order in which paths reach the vote is uniformly random
-    given that multiset (exchangeable paths), P(the problem stops early on an
-    answer other than the full-N majority vote) <= ``error`` -- summed over
-    every look, for any look schedule fixed in advance (waves of any size, or
-    every path), ties in the full-N vote counted as misses; ``min_samples``
-    only removes stops, so it keeps the bound.  It is a frequentist worst
-    case, not an average: only a 50/50 split of two answers comes near it
-    (and there the full-N answer is itself a coin flip between the two); on
-    the recorded trace sets the realized disagreement is 0.0-0.15% at
-    ``error`` 0.2, for 39% of the full-N tokens (waves of 2).  Assumption:
-    exchangeability.  It holds for whole waves of i.i.d. samples (the default
-    ``Schedule``); it fails when paths are voted in the order they finish
-    while all run at once (short paths first) and for recorded orders sorted
-    by likelihood, where agreement falls to 96-97% on svamp.
+    The default, ``bayes``: stop once the posterior chance that the rest of
+    the paths flip the vote is <= ``error`` (0.002), under a prior over how
+    problems split their answers that a run learns from its own finished
+    problems (:class:`~consensus_spec.sampling.answer_prior.AnswerPrior`).
+    Chosen by leave-one-set-out cross-validation in ``python -m evals
+    stop-rules`` (tune on two recorded trace sets, report on the third) as
+    the cheapest rule that agrees with the full-N vote in >= 99.5% of
+    problems (>= 99% in the worst of 20 path orders) on the tuning sets; see
+    docs/stopping.md.  It promises nothing for a problem unlike the prior;
+    ``sequential`` does (a bound over every look, for every problem, when
+    paths are exchangeable), at more tokens.
 
-    The default was chosen by leave-one-set-out cross-validation in
-    ``python -m evals stop-rules`` (tune on two trace sets, report on the
-    third, rotate): the cheapest rule with a guarantee over looks whose
-    agreement with the full-N vote is >= 99.5% (>= 99% in the worst of 20
-    path orders) on the tuning sets; every fold picked error 0.2.  See
-    docs/stopping.md.
+    ``error``, ``min_samples`` and ``window`` left None take the kind's
+    default (:data:`DEFAULT_ERROR`, 3 votes but for ``bayes``, 4 paths but
+    for ``esc``); kinds without them keep None.
     """
 
-    kind: str = "sequential"
-    error: float = 0.2  # "sequential"/"predictive"/"beta": tolerated probability of being wrong
-    min_samples: int = 3  # votes needed before a statistical rule may stop
-    window: int = 4  # "window": identical answers in a row
+    kind: str = "bayes"
+    error: float | None = None  # tolerated probability of being wrong (kinds in DEFAULT_ERROR)
+    min_samples: int | None = None  # votes needed before a statistical rule may stop
+    window: int | None = None  # "window": identical answers in a row; "esc": window size
     margin: int = 3  # "margin": lead in votes
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"StopRule.kind must be one of {KINDS}, got {self.kind!r}")
-        if isinstance(self.error, bool) or not isinstance(self.error, (int, float)) \
-                or not 0.0 < self.error < 1.0:
-            raise ValueError(f"StopRule.error must be a probability in (0, 1), got {self.error!r}")
+        defaults = {"error": DEFAULT_ERROR.get(self.kind),
+                    "min_samples": DEFAULT_MIN_SAMPLES.get(self.kind, 3),
+                    "window": DEFAULT_WINDOW.get(self.kind, 4)}
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        if self.kind in DEFAULT_ERROR:
+            e = self.error
+            if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0.0 < e < 1.0:
+                raise ValueError(f"StopRule.error must be a probability in (0, 1), got {e!r}")
         for name, low in (("min_samples", 1), ("window", 2), ("margin", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"StopRule.{name} must be an int >= {low}, got {value!r}")
 
     def describe(self) -> str:
-        """One line for tables, e.g. ``predictive(error=0.05, min=3)``."""
-        if self.kind == "decided":
-            return "decided"
-        if self.kind == "window":
-            return f"window({self.window})"
-        detail = f"margin={self.margin}" if self.kind == "margin" else f"error={self.error:g}"
-        return f"{self.kind}({detail}, min={self.min_samples})"
+        """One line for tables, e.g. ``bayes(error=0.002)``."""
+        if self.kind in ("decided", "consol"):
+            return self.kind
+        if self.kind in ("window", "esc"):
+            return f"{self.kind}({self.window})"
+        if self.kind == "margin":
+            return f"margin(margin={self.margin}, min={self.min_samples})"
+        if self.kind in ("bayes", "adaptive"):
+            return f"{self.kind}(error={self.error:g})"
+        return f"{self.kind}(error={self.error:g}, min={self.min_samples})"
 
     def with_overrides(self, **overrides) -> "StopRule":
         unknown = set(overrides) - {f.name for f in dataclasses.fields(self)}
         if unknown:
             raise ValueError(f"unknown StopRule field(s): {', '.join(sorted(unknown))}")
+        if "kind" in overrides:  # the other kind's own defaults, where not given
+            keep = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                    if f.name not in ("kind", "error", "min_samples", "window")}
+            return StopRule(**{**keep, **overrides})
         return dataclasses.replace(self, **overrides)
 
 
 def should_stop(
     answers: Sequence[str | None], remaining: int, rule: StopRule | None = None, *,
+    prior: AnswerPrior | None = None, lengths: Sequence[int] | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S, **overrides
 ) -> bool:
     """Whether a problem may stop with ``remaining`` paths unfinished.
 
-    ``answers``: extracted answers of the finished paths in finishing order
+    ``answers``: extracted answers of the finished paths, in path order
     (None: no answer).  ``remaining``: paths not finished yet, including ones
     not started.  ``overrides`` replace fields of ``rule`` (default
-    :class:`StopRule`), e.g. ``should_stop(a, 5, kind="window", window=5)``.
+    :class:`StopRule`), e.g. ``should_stop(a, 5, kind="esc")``.  ``prior``
+    (``bayes`` only): the run's :class:`AnswerPrior` (default: the shipped
+    one, which learns nothing); give one prior to every problem of a run and
+    ``prior.observe(...)`` each finished problem's vote.  ``lengths``: the
+    finished paths' lengths in tokens (optional): long paths mark hard
+    problems, which a learning prior weighs once its run has taught it how.
     ``timeout_s``: per math-verify comparison when clustering the answers.
-    With nothing remaining there is nothing to stop: returns False.  Pure:
-    the result depends on the arguments only.  Raises ValueError for a
-    ``remaining`` that is not an int >= 0 and TypeError for answers that are
-    not a sequence of str/None.
+    With nothing remaining there is nothing to stop: returns False.  Raises
+    ValueError for a ``remaining`` that is not an int >= 0 and TypeError for
+    answers that are not a sequence of str/None.
     """
     rule = rule or StopRule()
     if not isinstance(rule, StopRule):
@@ -162,9 +207,16 @@ def should_stop(
     if bad is not None:
         raise TypeError(f"answers must be str or None (None: the path has no answer), "
                         f"got {type(bad).__name__} {bad!r}")
-    if remaining == 0 or all(a is None for a in answers):
+    if remaining == 0 or (rule.kind != "esc" and all(a is None for a in answers)):
         return False  # skip clustering (and math-verify) when it cannot matter
-    return should_stop_ids(cluster_answers(list(answers), timeout_s), remaining, rule)
+    length = None
+    if lengths is not None:
+        if len(lengths) != len(answers) or any(isinstance(x, bool) or not isinstance(x, (int, float))
+                                               or x < 0 for x in lengths):
+            raise ValueError("lengths must give one number >= 0 per answer")
+        length = sum(lengths) / len(lengths) if lengths else None
+    return should_stop_ids(cluster_answers(list(answers), timeout_s), remaining, rule, prior=prior,
+                           length=length)
 
 
 def should_stop_ids(
@@ -173,38 +225,66 @@ def should_stop_ids(
     rule: StopRule | None = None,
     *,
     ranked: Sequence[tuple[int, int]] | None = None,
+    prior: AnswerPrior | None = None,
+    length: float | None = None,
 ) -> bool:
-    """:func:`should_stop` on precomputed class ids (None: no answer).
+    """:func:`should_stop` on precomputed class ids (None: no answer);
+    ``length``: the mean of ``lengths``.
 
     ``ranked`` may pass ``tally(ids)`` when the caller keeps it up to date
     incrementally (the replay evaluation does, over millions of checks).
     """
     rule = rule or StopRule()
     remaining = _check_remaining(remaining)
+    if remaining == 0:
+        return False
+    if rule.kind == "esc":  # a whole window of one answer (None too, as ESC's invalid answer)
+        k = len(ids)
+        return k % rule.window == 0 and k > 0 and len(set(ids[k - rule.window:])) == 1
     if ranked is None:
         ranked = tally(ids)
-    if remaining == 0 or not ranked:
+    if not ranked:
         return False
-    lead_id, lead = ranked[0]
+    lead = ranked[0][1]
     second = ranked[1][1] if len(ranked) > 1 else 0
+    if rule.kind == "adaptive":
+        return _beta_confidence(lead, second) >= 1.0 - rule.error
+    if rule.kind == "consol":
+        llr = lead * math.log(CONSOL_P1 / 0.5) + second * math.log((1 - CONSOL_P1) / 0.5)
+        return llr >= math.log((1 - CONSOL_BETA) / CONSOL_ALPHA) \
+            or llr <= math.log(CONSOL_BETA / (1 - CONSOL_ALPHA))
     if lead - second > remaining:
         return True  # decided: exact
     votes = sum(c for _, c in ranked)
     if rule.kind == "decided" or votes < rule.min_samples:
         return False
+    if rule.kind == "bayes":
+        prior = prior or AnswerPrior.default()
+        flip = prior.flip_probability(lead, second, len(ids) - lead - second, remaining, length)
+        return flip <= rule.error
     if rule.kind == "margin":
         return lead - second >= rule.margin
     if rule.kind == "beta":
         return _beta_confidence(lead, second) >= 1.0 - rule.error
     if rule.kind == "window":
         tail = list(ids[-rule.window:])
-        return len(tail) == rule.window and all(i == lead_id for i in tail)
+        return len(tail) == rule.window and all(i == ranked[0][0] for i in tail)
     if rule.kind == "sequential":
         bound = sequential_boundary(len(ids) + remaining, rule.error)[0][len(ids)]
         return bound is not None and lead >= bound
     # predictive
     counts = tuple(c for _, c in ranked)
     return _flip_probability(counts, len(ids) - votes, remaining) <= rule.error
+
+
+def stop_answer(ids: Sequence[int | None], rule: StopRule | None = None) -> int | None:
+    """The class a rule answers with after ``ids``: the vote's winner (ties:
+    the class seen first), but for ``esc`` a last window of one answer's."""
+    if rule is not None and rule.kind == "esc" and ids and len(ids) % rule.window == 0 \
+            and len(set(ids[-rule.window:])) == 1:
+        return ids[-1]
+    ranked = tally(ids)
+    return ranked[0][0] if ranked else None
 
 
 def tally(ids: Sequence[int | None]) -> list[tuple[int, int]]:

@@ -25,8 +25,9 @@ __all__ = ["ALL_AT_ONCE", "DEFAULT_WAVES", "REST", "PathPlanner", "Schedule"]
 REST = "rest"
 # Default waves: see Schedule's docstring for why.
 DEFAULT_WAVES: tuple[int | str, ...] = (2,)
-CHECKS = ("wave", "path")
-_FLAGS = {"no-fill": ("fill_idle", False), "path-check": ("check", "path")}  # describe() suffixes
+CHECKS = ("index", "wave", "path")
+_FLAGS = {"no-fill": ("fill_idle", False), "path-check": ("check", "path"),
+          "wave-check": ("check", "wave")}  # describe() suffixes
 
 
 @dataclass(frozen=True)
@@ -38,11 +39,15 @@ class Schedule:
     ran (``(4,)`` is waves of 4).  ``("rest",)`` runs all N at once.
     ``capacity``: paths in flight at most (None: unbounded;
     :func:`~consensus_spec.sampling.self_consistency.self_consistency` fills in the
-    engine's ``max_num_seqs``).  ``check``: ``"wave"`` takes the stop vote
-    only after whole waves (statistically sound: a finished wave is a random
-    sample, while paths finishing one by one arrive shortest first), so
-    nothing of a problem is running when it stops; ``"path"`` checks after
-    every finished path and aborts the stopped problem's running paths.
+    engine's ``max_num_seqs``).  ``check``: ``"index"`` takes the stop vote
+    after every path *in path order*: the vote on paths 0..k-1 once each of
+    them has finished, whichever finished first, and a stop aborts the
+    problem's paths still running.  Paths finishing one by one arrive
+    shortest first, which would bias the vote towards short answers; an
+    order fixed before they run does not (the paths stay exchangeable).
+    ``"wave"`` votes only after whole waves, so nothing of a problem is
+    running when it stops; ``"path"`` checks after every finished path in
+    finishing order (biased; kept for comparison).
     ``fill_idle``: once every problem has been admitted, rows that would sit
     idle start the next waves of running problems early (oldest first, one
     wave each per pass); the vote is still taken wave by wave, and paths of
@@ -68,7 +73,7 @@ class Schedule:
 
     waves: tuple[int | str, ...] = DEFAULT_WAVES
     capacity: int | None = None
-    check: str = "wave"
+    check: str = "index"
     fill_idle: bool = True
 
     def __post_init__(self) -> None:
@@ -129,15 +134,16 @@ class Schedule:
     @property
     def may_abort(self) -> bool:
         """Whether a stop can find paths of the problem still running."""
-        return self.check == "path" or (self.fill_idle and not self.all_at_once)
+        return self.check != "wave" or (self.fill_idle and not self.all_at_once)
 
     def describe(self) -> str:
-        """``"4,4,rest"``, ``"all"``; ``"+no-fill"`` without idle fill and
-        ``"+path-check"`` when checking every path (:meth:`parse` reads it back)."""
+        """``"4,4,rest"``, ``"all"``; ``"+no-fill"`` without idle fill,
+        ``"+wave-check"`` / ``"+path-check"`` for those checks (:meth:`parse`
+        reads it back)."""
         text = "all" if self.all_at_once else ",".join(str(w) for w in self.waves)
         if not self.fill_idle and not self.all_at_once:
             text += "+no-fill"
-        return text + ("+path-check" if self.check == "path" else "")
+        return text + ("" if self.check == "index" else f"+{self.check}-check")
 
 
 ALL_AT_ONCE = Schedule(waves=(REST,))
@@ -146,7 +152,8 @@ StopCheck = Callable[[int, list, int], bool]
 
 
 class _Problem:
-    __slots__ = ("wave", "opened", "next_path", "inflight", "answers", "paths", "left", "checked")
+    __slots__ = ("wave", "opened", "next_path", "inflight", "answers", "paths", "left", "checked",
+                 "by_path", "looked")
 
     def __init__(self, sizes: list[int]):
         self.wave = 0  # index of the last opened wave
@@ -157,6 +164,8 @@ class _Problem:
         self.paths: list[int] = []  # the paths those answers came from
         self.left = list(sizes)  # unfinished paths per wave
         self.checked = 0  # the next wave whose stop vote is due
+        self.by_path: dict[int, Any] = {}  # finished path -> answer
+        self.looked = 0  # check="index": paths 0..looked-1 voted on
 
 
 class PathPlanner:
@@ -248,6 +257,7 @@ class PathPlanner:
         self.num_inflight -= 1
         st.answers.append(answer)
         st.paths.append(path)
+        st.by_path[path] = answer
         st.left[bisect.bisect_right(self.ends, path)] -= 1
         finished = len(st.answers)
         if finished == self.n:
@@ -272,6 +282,13 @@ class PathPlanner:
         check = self.stop_check
         if self.schedule.check == "path":
             return check is not None and check(p, list(st.answers), self.n - len(st.answers))
+        if self.schedule.check == "index":
+            while st.looked in st.by_path:  # paths 0..looked have all finished
+                st.looked += 1
+                if check is not None and st.looked < self.n and \
+                        check(p, [st.by_path[k] for k in range(st.looked)], self.n - st.looked):
+                    return True
+            check = None  # below: only move past finished waves
         while st.checked <= st.wave and st.left[st.checked] == 0:
             upto = self.ends[st.checked]
             st.checked += 1
@@ -314,6 +331,8 @@ class PathPlanner:
         last = self.ends[j - 1]
         if self.schedule.check == "path":
             return list(range(len(st.answers) + 1, min(last, self.n - 1) + 1))
+        if self.schedule.check == "index":
+            return list(range(st.looked + 1, min(last, self.n - 1) + 1))
         return [self.ends[c] for c in range(st.checked, j) if self.ends[c] < self.n]
 
     def _open_next(self, p: int) -> int:

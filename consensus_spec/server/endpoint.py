@@ -54,6 +54,8 @@ from argparse import Namespace
 from collections import Counter
 from typing import Callable
 
+from ..sampling.answer_prior import AnswerPrior
+from ..sampling.results import StoppingTotals
 from ..sampling.run_ahead import RunAheadStats
 from . import PLUGIN_NAME, ROUTE
 from .options import BadRequest, Limits, parse_defaults
@@ -140,6 +142,9 @@ class _State:
         self.wants: dict[str, Callable[[], int]] = {}  # run id -> rows its idle fill would take
         self.requests_total = 0
         self.requests_unfinished = 0  # failed, or cancelled by a client that left
+        # one prior for every run: the server learns how its traffic's problems split
+        self.prior = AnswerPrior.learning()
+        self.stopping = StoppingTotals()
 
     def idle_rows(self, run_id: str) -> int:
         """Rows ``run_id``'s idle fill may open early waves into: the batch
@@ -176,6 +181,7 @@ class _State:
                 "defaults": self.defaults,
                 "run_ahead": {"mode": self.run_ahead_mode,
                               **self.run_ahead_total.as_dict()},
+                "stopping": {**self.stopping.as_dict(), "prior_problems_seen": self.prior.problems_seen},
                 "step_costs": self.costs.summary() if self.costs is not None else None}
 
 
@@ -302,6 +308,9 @@ async def handle(raw_request):
         return error(400, f"body: not valid JSON ({e})", "body")
     try:
         req, opts = parse_request(body, st.limits, st.defaults)
+        if isinstance(body, dict) and "choices" in body:
+            raise BadRequest("choices", f"applies to {ROUTE}/completions and "
+                                        f"{ROUTE}/chat/completions; this route returns every problem's vote")
         if req.model is not None and req.model not in st.model_names:
             return error(404, f"The model `{req.model}` does not exist.", "model")
         prompts = await asyncio.to_thread(_render, st, req)

@@ -6,14 +6,21 @@ A request is parsed by vLLM's own ``CompletionRequest`` /
 and means what it means there, and its sampling parameters come from the
 request's own ``to_sampling_params``.  What changes:
 
-- ``n`` is the most paths a problem samples; the response has one choice
-  per prompt (``index`` i for prompt i), the voted answer's representative
-  path: its text, finish reason and, if asked, logprobs and token ids.
+- ``choices="vote"`` (the default but for chat with n > 1): ``n`` is the
+  most paths a problem samples, early stop may end it sooner, and the
+  response has one choice per prompt (``index`` i for prompt i), the voted
+  answer's representative path: its text, finish reason and, if asked,
+  logprobs and token ids.  What lm-eval reads (one choice a prompt).
+- ``choices="paths"`` (the default for chat with n > 1: lighteval, litellm
+  and the ``openai`` client read n choices as n samples): all n paths run,
+  and each is a choice, the voted one first; metrics over every path
+  (pass@k, avg@n) then see n real samples, never one vote counted n ways.
 - ``seed`` seeds path k of prompt i with ``seed + i * n + k``: copies of one
   prompt never repeat each other (vLLM gives seeded copies the same text).
 - ``usage.completion_tokens`` counts every token generated, the paths
   early stop cut off included.
-- each choice carries the vote in one extra field, ``self_consistency``.
+- each choice carries the vote in one extra field, ``self_consistency``
+  (``representative_path``: the path the choice shows).
 - the run's options come as extra fields (:mod:`.options`); any other field
   the vLLM route does not know is a 400 naming it, and so are the fields
   that do not apply to a vote over paths (:data:`NOT_APPLICABLE`).
@@ -21,16 +28,19 @@ request's own ``to_sampling_params``.  What changes:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
 from pydantic import ValidationError
 
 from ..sampling.results import ProblemResult, Sample
+from ..sampling.waves import REST, Schedule
 from .options import BadRequest, Limits, RunOptions, resolve_options, split_options
 from .protocol import problem_json
 
-__all__ = ["CHAT", "COMPLETION", "NOT_APPLICABLE", "choice_json", "parse_openai", "representative"]
+__all__ = ["CHAT", "COMPLETION", "NOT_APPLICABLE", "choice_json", "choices_json", "parse_openai",
+           "representative"]
 
 COMPLETION, CHAT = "completion", "chat"
 INT64_MAX = 2**63 - 1
@@ -91,7 +101,8 @@ def parse_openai(body: Any, kind: str, limits: Limits, defaults: dict):
     if unknown:
         raise BadRequest(unknown[0], f"unknown field; this route takes {cls.__name__}'s fields "
                                      "and the self-consistency options "
-                                     "early_stop, schedule, voting, answer_pattern, return_paths")
+                                     "early_stop, schedule, voting, answer_pattern, return_paths, "
+                                     "choices")
     from vllm.exceptions import VLLMError
 
     try:
@@ -117,7 +128,15 @@ def parse_openai(body: Any, kind: str, limits: Limits, defaults: dict):
                                    f"{limits.max_prompts} a request")
     if req.seed is not None and req.seed + count * n > INT64_MAX:
         raise BadRequest("seed", "seed + prompts * n must fit in 64 bits")
-    return req, resolve_options(opts, limits)
+    options = resolve_options(opts, limits)
+    choices = options.choices or ("paths" if kind == CHAT and n > 1 else "vote")
+    if choices == "paths":
+        if "early_stop" in body and body["early_stop"] not in (None, False):
+            raise BadRequest("early_stop", "choices='paths' returns every path, so all n run: "
+                                           "ask choices='vote' for one early-stopped vote")
+        options = dataclasses.replace(options, stop_rule=None, choices="paths",
+                                      schedule=Schedule(waves=(REST,), capacity=options.schedule.capacity))
+    return req, dataclasses.replace(options, choices=choices)
 
 
 def num_prompts(req, kind: str) -> int:
@@ -214,10 +233,23 @@ def _token_text(tid: int, entry, tokenizer, as_ids: bool) -> str:
     return text or ""
 
 
-def choice_json(kind: str, index: int, result: ProblemResult, req, opts: RunOptions,
-                tokenizer, prompt_ids: list[int]) -> dict:
-    """One choice of the response: the representative path and the vote."""
+def choices_json(kind: str, p: int, result: ProblemResult, req, opts: RunOptions,
+                 tokenizer, prompt_ids: list[int]) -> list[dict]:
+    """Prompt ``p``'s choices: with ``choices="vote"`` one, the voted path
+    (index ``p``); with ``"paths"`` every path, the voted one first (indices
+    p * n ...), as OpenAI numbers n choices of several prompts."""
     rep = representative(result)
+    if opts.choices != "paths":
+        return [choice_json(kind, p, p, result, req, opts, tokenizer, prompt_ids, rep)]
+    n = req.n or 1
+    order = ([rep] if rep else []) + [s for s in result.samples if s is not rep]
+    return [choice_json(kind, p * n + j, p, result, req, opts, tokenizer, prompt_ids, s)
+            for j, s in enumerate(order)]
+
+
+def choice_json(kind: str, index: int, p: int, result: ProblemResult, req, opts: RunOptions,
+                tokenizer, prompt_ids: list[int], rep: Sample | None) -> dict:
+    """Choice ``index`` of the response, prompt ``p``'s path ``rep``, with the vote."""
     as_ids = bool(getattr(req, "return_tokens_as_token_ids", False))
     text = rep.text if rep else ""
     out: dict[str, Any] = {"index": index}
@@ -236,7 +268,7 @@ def choice_json(kind: str, index: int, result: ProblemResult, req, opts: RunOpti
         out["token_ids"] = list(rep.token_ids or []) if rep else []
         out["prompt_token_ids"] = list(prompt_ids)
     n = req.n or 1
-    first_seed = None if req.seed is None else req.seed + index * n
+    first_seed = None if req.seed is None else req.seed + p * n
     out["self_consistency"] = vote_json(result, n, opts, rep, first_seed)
     return out
 

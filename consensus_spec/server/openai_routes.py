@@ -14,7 +14,7 @@ import asyncio
 import json
 import time
 
-from .openai_protocol import (CHAT, COMPLETION, choice_json, parse_openai, path_params,
+from .openai_protocol import (CHAT, COMPLETION, choices_json, parse_openai, path_params,
                               response_json, stream_chunks, usage_chunk)
 from .options import BadRequest
 from .runs import error, new_run_id, run_request, sse, until_disconnect
@@ -115,13 +115,14 @@ async def handle(raw_request, kind: str):
     events: asyncio.Queue | None = asyncio.Queue() if req.stream else None
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-    def choice(p: int, result) -> dict:
-        return choice_json(kind, p, result, req, opts, tokenizer, prompts[p])
+    def choices(p: int, result) -> list[dict]:
+        return choices_json(kind, p, result, req, opts, tokenizer, prompts[p])
 
     def on_problem_done(p: int, book) -> None:
         if events is not None:
-            for chunk in stream_chunks(kind, run_id, model, created, choice(p, book.result(p))):
-                events.put_nowait(chunk)
+            for choice in choices(p, book.result(p)):
+                for chunk in stream_chunks(kind, run_id, model, created, choice):
+                    events.put_nowait(chunk)
 
     async def run():
         return await run_request(st, raw_request, run_id, inputs, make_params, n, opts,
@@ -137,7 +138,7 @@ async def handle(raw_request, kind: str):
 
     async def respond() -> dict:
         result = await run()
-        return response_json(kind, run_id, model, [choice(p, r) for p, r in enumerate(result)],
+        return response_json(kind, run_id, model, [c for p, r in enumerate(result) for c in choices(p, r)],
                              prompt_tokens, result.num_tokens, created)
 
     return await until_disconnect(raw_request, respond(), route)

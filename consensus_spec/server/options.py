@@ -4,7 +4,8 @@ limits and defaults, and the one error type (no vLLM import here).
 
 The options are extra body fields on each route (the ``openai`` client's
 ``extra_body``, lm-eval's ``--gen_kwargs``): ``early_stop``, ``schedule``,
-``voting``, ``answer_pattern``, ``return_paths``.  A server sets its own
+``voting``, ``answer_pattern``, ``return_paths``, and on the OpenAI-shaped
+routes ``choices`` (what comes back: the vote, or every path).  A server sets its own
 defaults for them at start-up (``CONSENSUS_SPEC_SC_DEFAULTS``, a JSON
 object of the same fields); a request's fields replace them field by field.
 Parsing is strict: unknown keys and wrong types are a :class:`BadRequest`
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Literal, Union
+from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -29,7 +30,8 @@ __all__ = ["BadRequest", "Limits", "OPTION_FIELDS", "RunOptions", "RunOptionsIn"
            "first_error", "parse_defaults", "resolve_options", "split_options"]
 
 MAX_VOTE_TIMEOUT_S = 10.0  # per math-verify comparison: a client may not hold the server longer
-OPTION_FIELDS = ("early_stop", "schedule", "voting", "answer_pattern", "return_paths")
+OPTION_FIELDS = ("early_stop", "schedule", "voting", "answer_pattern", "return_paths", "choices")
+CHOICES = ("vote", "paths")
 
 
 class BadRequest(ValueError):
@@ -56,16 +58,16 @@ class Strict(BaseModel):
 
 
 class StopRuleIn(Strict):
-    kind: Literal[KINDS] = "sequential"  # type: ignore[valid-type]
-    error: float = StopRule.error
-    min_samples: int = StopRule.min_samples
-    window: int = StopRule.window
+    kind: Literal[KINDS] = StopRule.kind  # type: ignore[valid-type]
+    error: Optional[float] = None  # None: the kind's own default, as StopRule
+    min_samples: Optional[int] = None
+    window: Optional[int] = None
     margin: int = StopRule.margin
 
 
 class ScheduleIn(Strict):
     waves: list[Union[int, Literal["rest"]]] = Field(default_factory=lambda: [2], min_length=1)
-    check: Literal["wave", "path"] = "wave"
+    check: Literal["index", "wave", "path"] = "index"
     fill_idle: bool = True
 
 
@@ -81,7 +83,7 @@ class AnswerPatternIn(Strict):
 
 
 class RunOptionsIn(Strict):
-    # True: the library's default StopRule (sequential, error 0.2); a kind
+    # True: the library's default StopRule (bayes, error 0.002); a kind
     # name; a margin > 0; an object of StopRule fields; false/null: all n paths.
     early_stop: Union[bool, str, float, StopRuleIn, None] = True
     # "2", "4,4,rest", "all" (Schedule.parse), or an object; default: waves
@@ -92,6 +94,10 @@ class RunOptionsIn(Strict):
     # answer a path states as final (boxed, ####, "the answer is"), or none
     answer_pattern: Union[str, AnswerPatternIn, None] = None
     return_paths: bool = False
+    # OpenAI-shaped routes: "vote" (one choice a prompt: the voted path, early
+    # stop) or "paths" (n choices a prompt: every path, all run); default:
+    # "paths" for chat with n > 1 (a client that reads n choices), else "vote"
+    choices: Optional[Literal[CHOICES]] = None  # type: ignore[valid-type]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +108,7 @@ class RunOptions:
     schedule: Schedule
     voting: Voting
     return_paths: bool
+    choices: str | None = None
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "none", "StopRuleIn", "ScheduleIn", "Message",
@@ -182,7 +189,7 @@ def resolve_options(opts: RunOptionsIn, limits: Limits) -> RunOptions:
     if stop_rule is not None and voting.weighted:
         raise BadRequest("voting.weighted", "stop rules count unweighted votes: "
                          "weighted voting needs early_stop=false")
-    return RunOptions(stop_rule, schedule, voting, opts.return_paths)
+    return RunOptions(stop_rule, schedule, voting, opts.return_paths, opts.choices)
 
 
 def split_options(body: dict, defaults: dict) -> tuple[dict, RunOptionsIn]:

@@ -105,6 +105,7 @@ def problem_json(result: ProblemResult, n: int, stop_rule: StopRule | None,
         "paths_sampled": result.num_sent,  # sent to the engine
         "paths_finished": len(result.samples),
         "paths_stopped": result.num_aborted,  # cancelled by early stop, running or never sent
+        "paths_ended_in_flight": result.ended_in_flight,  # of those, the ones that were running
         "stopped_early": result.stopped_early,
         "stop_reason": stop_reason(result, n, stop_rule),
         "waves": result.waves,

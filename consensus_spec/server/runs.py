@@ -79,13 +79,15 @@ async def run_request(st, raw_request, run_id: str, prompts: list, make_params: 
         st.client_ids[run_id] = client_id[:256]
     st.requests_total += 1
     try:
-        return await run_paths_async(
+        result = await run_paths_async(
             generate, st.engine.abort, prompts, make_params, n, schedule=opts.schedule,
             stop_rule=opts.stop_rule, voting=opts.voting, max_tokens=max_tokens, delta=False,
             run_id=run_id, on_vote=on_vote, on_problem_done=on_problem_done,
             on_submit=on_submit, idle_rows=lambda: st.idle_rows(run_id),
             on_start=lambda book: st.wants.__setitem__(run_id, book.planner.rows_wanted),
-            run_ahead=run_ahead, keep_outputs=keep_outputs)
+            run_ahead=run_ahead, keep_outputs=keep_outputs, prior=st.prior)
+        st.stopping.add(result)
+        return result
     except BaseException:
         st.requests_unfinished += 1
         raise

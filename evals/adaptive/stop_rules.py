@@ -1,8 +1,8 @@
-"""Replay adaptive stopping rules for self-consistency on recorded traces.
+"""Replay adaptive stopping rules on recorded traces, ours beside the peers'.
 
     python -m evals stop-rules [--traces FILE ...] [--limit N] [--perms 20]
-                             [--waves 2] [--out results/stopping.json] [--plot PNG]
-                             [--per-problem]
+                             [--waves 1] [--out results/stopping.json] [--plot PNG]
+                             [--per-problem] [--write-prior JSON]
     python -m evals stop-rules --from-json results/stopping.json [--out ...] [--plot PNG]
 
 Each problem's recorded completions are answered and clustered once
@@ -10,16 +10,25 @@ Each problem's recorded completions are answered and clustered once
 to a rule in recorded order, in ``--perms`` seeded random orders and
 shortest-first (the order paths finish in when all run at once), and the
 problem stops when the rule says so.  A consumed sample counts all its tokens
-(GPT-2 BPE + EOS, as in :mod:`evals.traces`); the rule is checked only after
-whole waves (default waves of 2, as the default ``Schedule``; ``--waves 1``:
-after every path), and every sample of a started wave counts.
+(GPT-2 BPE + EOS, as in :mod:`evals.traces`).  Our rules look after every
+path (``--waves 1``, as the default ``Schedule`` votes in path order) or
+after whole waves (``--waves 2``: every sample of a started wave counts);
+the peers' kinds (``adaptive``, ``esc``, ``consol``) always get the looks
+their authors' code takes (every path; ESC's windows are part of its rule).
 
-Prints a markdown table per set and rule and the leave-one-set-out tables
-(:mod:`evals.adaptive.stop_rules_cv`), writes them next to a JSON file of all
-figures (per set also the sample counts after which rules were checked,
-``looks``, and whether each rule meets the targets, ``meets``; with
-``--per-problem`` each problem's answers, class ids, token counts and gold
-classes), and names the default rule the cross-validation supports.
+Each order is a run: the problems in file order, and a ``bayes`` rule's
+prior learns from the ones already finished in that run, as
+``self_consistency`` does (``... static``: the shipped-style prior alone, as
+``should_stop`` without a prior).  The prior a set starts from is never
+fitted on that set: for the per-set figures it is fitted on the other sets
+(uniform with one set), and inside each leave-one-set-out fold the tuning
+sets' figures come from priors fitted on the other tuning sets only.
+
+Agreement is with the full-N vote, a tie in it counting for any of its
+leaders.  Prints the tables (:mod:`evals.adaptive.stop_rules_cv`), writes
+them next to a JSON file of all figures, and names the default rule the
+cross-validation supports.  ``--write-prior`` fits the prior on every set
+given and writes it (the package's ``answer_prior.json`` is made so);
 ``--from-json`` replays nothing: it redoes the selection on a saved result.
 """
 
@@ -32,16 +41,49 @@ import os
 import random
 import sys
 import time
+from dataclasses import dataclass
 
-from consensus_spec.sampling.stopping import StopRule, should_stop_ids
+from consensus_spec.sampling.answer_prior import AnswerPrior
+from consensus_spec.sampling.stopping import PEERS, StopRule, should_stop_ids, stop_answer
 
 from ..options import add_trace_args, trace_sets, write_json
 from ..traces import load_tokenizer
-from .stop_rules_cv import GUARANTEED, choose_default, loso, markdown, meets, pct, plot, summary
+from .stop_rules_cv import GUARANTEED, OURS, choose_default, loso, markdown, meets, pct, plot, summary
 from .vote_traces import VoteTrace, load_vote_traces
 
 DEFAULT_TRACES = ("gsm8k_qwen3_4b_n8.jsonl", "addsub_codex002_n40.jsonl", "svamp_pot_codex002_n30.jsonl")
 HARD_SHARE = 0.6  # full-N winner share below this marks a hard problem
+BAYES_ERRORS = (0.001, 0.002, 0.003, 0.005, 0.01)
+FOLD_TITLES = ("Leave-one-set-out, our rules (sets the default)",
+               "Leave-one-set-out, rules with a guarantee over every look",
+               "Leave-one-set-out, any rule (peers included)")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A rule as the replay runs it; ``learn``: a ``bayes`` run's prior
+    learns from its finished problems."""
+
+    rule: StopRule
+    learn: bool = True
+
+    @property
+    def name(self) -> str:
+        static = self.rule.kind == "bayes" and not self.learn
+        return self.rule.describe() + (" static" if static else "")
+
+
+def grid() -> list[Candidate]:
+    rules = [StopRule(kind="bayes", error=e) for e in BAYES_ERRORS]
+    rules += [StopRule(kind="decided")]
+    rules += [StopRule(kind="sequential", error=e) for e in (0.05, 0.1, 0.2)]
+    rules += [StopRule(kind="predictive", error=e) for e in (0.01, 0.05)]
+    rules += [StopRule(kind="beta", error=0.05), StopRule(kind="window", window=3),
+              StopRule(kind="window", window=4), StopRule(kind="margin", margin=3)]
+    rules += [StopRule(kind="adaptive", error=e) for e in (0.05, 0.02, 0.1)]  # published: 0.05
+    rules += [StopRule(kind="esc"), StopRule(kind="consol")]
+    out = [Candidate(r) for r in rules]
+    return out + [Candidate(StopRule(kind="bayes", error=e), learn=False) for e in BAYES_ERRORS]
 
 
 def parse_waves(spec: list[str]) -> list[int | None]:
@@ -74,13 +116,20 @@ def prefix_tallies(ids: list[int | None]) -> list[list[tuple[int, int]]]:
     return out
 
 
-def replay_order(ids, tokens, rule: StopRule, checks: list[int], tallies=None):
-    """(samples used, tokens used, stopped winner, full-N winner) for one order."""
+def winners(ranked: list[tuple[int, int]]) -> frozenset:
+    """Every class tied for the most votes (empty: nobody voted)."""
+    return frozenset(c for c, v in ranked if v == ranked[0][1]) if ranked else frozenset()
+
+
+def replay_order(ids, tokens, rule: StopRule, checks: list[int], tallies=None, prior=None):
+    """(samples used, tokens used, the class it answers, the full-N vote's
+    leaders) for one order; ``prior``: a ``bayes`` rule's."""
     n = len(ids)
     tallies = tallies or prefix_tallies(ids)
-    used = next((k for k in checks if should_stop_ids(ids[:k], n - k, rule, ranked=tallies[k])), n)
-    winner = lambda t: t[0][0] if t else None  # noqa: E731
-    return used, sum(tokens[:used]), winner(tallies[used]), winner(tallies[n])
+    spent = list(itertools.accumulate(tokens, initial=0))
+    used = next((k for k in checks if should_stop_ids(ids[:k], n - k, rule, ranked=tallies[k],
+                                                      prior=prior, length=spent[k] / k)), n)
+    return used, spent[used], stop_answer(ids[:used], rule), winners(tallies[n])
 
 
 def orders(trace: VoteTrace, perms: int, seed: int) -> dict[str, list[int]]:
@@ -90,29 +139,57 @@ def orders(trace: VoteTrace, perms: int, seed: int) -> dict[str, list[int]]:
             **{f"perm{r}": rng.sample(range(n), n) for r in range(perms)}}
 
 
-def evaluate(traces: list[VoteTrace], rules: list[StopRule], perms: int, seed: int,
-             waves: list[int | None]) -> dict[str, dict]:
-    """Per rule: metrics for recorded order, shortest-first, and the permutations."""
-    hard = [t.share < HARD_SHARE for t in traces]
-    full_tokens = sum(sum(t.tokens) for t in traces)
-    n_samples = sum(len(t.ids) for t in traces)
-    prepared: dict[str, list] = {}  # per order, per trace: (ids, tokens, checks, tallies)
+def full_votes(traces: list[VoteTrace]) -> list[tuple[list[int], int]]:
+    """Per problem, (votes per answer class, paths without an answer) over all its paths."""
+    return [([c for _, c in prefix_tallies(t.ids)[-1]], t.ids.count(None)) for t in traces]
+
+
+def fit_prior(groups: list[list]) -> AnswerPrior:
+    """Fitted on the sets' votes pooled (uniform when there is none)."""
+    votes = [v for g in groups for v in g]
+    return AnswerPrior.fit(votes) if votes else AnswerPrior.uniform()
+
+
+def prepare(traces: list[VoteTrace], perms: int, seed: int, waves: list[int | None]) -> dict:
+    """Per order, per trace: (ids, tokens, our looks, every look, prefix tallies)."""
+    prepared: dict[str, list] = {}
     for t in traces:
         for name, order in orders(t, perms, seed).items():
             ids = [t.ids[i] for i in order]
+            n = len(ids)
             prepared.setdefault(name, []).append(
-                (ids, [t.tokens[i] for i in order], checkpoints(len(ids), waves), prefix_tallies(ids)))
+                (ids, [t.tokens[i] for i in order], checkpoints(n, waves), list(range(1, n)),
+                 prefix_tallies(ids)))
+    return prepared
+
+
+def evaluate(traces: list[VoteTrace], prepared: dict, candidates: list[Candidate],
+             base: AnswerPrior) -> dict[str, dict]:
+    """Per candidate: figures for recorded order, shortest-first and the
+    random orders (each order a run, in problem order)."""
+    hard = [t.share < HARD_SHARE for t in traces]
+    full_tokens = sum(sum(t.tokens) for t in traces)
+    n_samples = sum(len(t.ids) for t in traces)
     results = {}
-    for rule in rules:
+    for cand in candidates:
+        rule = cand.rule
         by_order = {}
         for name, per in prepared.items():
-            runs = [replay_order(ids, tokens, rule, checks, tallies) for ids, tokens, checks, tallies in per]
-            used = sum(r[0] for r in runs)
-            agree = [stopped == full for _, _, stopped, full in runs]
+            prior = AnswerPrior(base.components, base.base_mix, learn=cand.learn) \
+                if rule.kind == "bayes" else None
+            runs = []
+            for ids, tokens, ours, every, tallies in per:
+                run = replay_order(ids, tokens, rule, every if rule.kind in PEERS else ours, tallies, prior)
+                runs.append(run)
+                if prior is not None:  # the run's prior sees the problem's final vote
+                    counts = [c for _, c in tallies[run[0]]]
+                    prior.observe(counts, run[0] - sum(counts), run[1] / run[0])
+            agree = [stopped in full if full else stopped is None for _, _, stopped, full in runs]
             graded = [(t.correct, stopped, full) for t, (_, _, stopped, full) in zip(traces, runs)
                       if t.correct is not None]
             gold_stop = sum(s is not None and c[s] for c, s, _ in graded)
-            gold_full = sum(f is not None and c[f] for c, _, f in graded)
+            gold_full = sum(bool(f) and c[min(f)] for c, _, f in graded)
+            used = sum(r[0] for r in runs)
             by_order[name] = {
                 "samples_per_problem": used / len(traces), "samples_frac": used / n_samples,
                 "tokens_frac": sum(r[1] for r in runs) / full_tokens, "agreement": sum(agree) / len(traces),
@@ -121,24 +198,14 @@ def evaluate(traces: list[VoteTrace], rules: list[StopRule], perms: int, seed: i
                 "gold_acc_full": gold_full / len(graded) if graded else None,
             }
         perm = [v for k, v in by_order.items() if k.startswith("perm")]
-        summary = {**by_order["recorded"], "shortest_first": by_order["shortest"]}
+        summary_ = {**by_order["recorded"], "shortest_first": by_order["shortest"]}
         for key, worst in (("agreement", min), ("hard_agreement", min), ("tokens_frac", max),
                            ("gold_acc", min), ("gold_acc_full", min)):  # --perms >= 1
             vals = [p[key] for p in perm if p[key] is not None]
-            summary[f"{key}_perm_mean"] = sum(vals) / len(vals) if vals else None
-            summary[f"{key}_perm_worst"] = worst(vals) if vals else None
-        results[rule.describe()] = {"rule": rule.__dict__, **summary}
+            summary_[f"{key}_perm_mean"] = sum(vals) / len(vals) if vals else None
+            summary_[f"{key}_perm_worst"] = worst(vals) if vals else None
+        results[cand.name] = {"rule": {**rule.__dict__, "learn": cand.learn}, **summary_}
     return results
-
-
-def grid() -> list[StopRule]:
-    rules = [StopRule(kind="decided")]
-    rules += [StopRule(kind="sequential", error=e) for e in (0.01, 0.02, 0.05, 0.1, 0.2)]
-    rules += [StopRule(kind="predictive", error=e) for e in (0.005, 0.01, 0.02, 0.05, 0.1)]
-    rules += [StopRule(kind="beta", error=e) for e in (0.01, 0.05, 0.1)]
-    rules += [StopRule(kind="window", window=w) for w in (3, 4, 5)]
-    rules += [StopRule(kind="margin", margin=m, min_samples=m) for m in (2, 3, 4)]
-    return rules
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -146,19 +213,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_trace_args(ap)
     ap.add_argument("--perms", type=int, default=20, help="random sample orders per problem")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--waves", nargs="+", metavar="SIZE", default=["2"],
-                    help="check only after waves of these sizes, e.g. 1 2 4 rest (default: 2, as the "
-                         "default Schedule; 1: after every sample)")
+    ap.add_argument("--waves", nargs="+", metavar="SIZE", default=["1"],
+                    help="our rules look after waves of these sizes, e.g. 2, or 1 2 4 rest (default 1: "
+                         "after every path, as the default Schedule votes in path order)")
     ap.add_argument("--out", default="results/stopping.json", help="JSON path (markdown next to it)")
     ap.add_argument("--plot", help="PNG path for tokens against agreement per set and rule")
     ap.add_argument("--per-problem", action="store_true",
                     help="also write each problem's answers, class ids, token counts and gold classes")
+    ap.add_argument("--write-prior", metavar="JSON",
+                    help="fit the answer prior on every set given and write it there")
+    ap.add_argument("--prior", default="others", metavar="others|shipped|JSON",
+                    help="the prior each run starts from: fitted on the other sets given (default; "
+                         "cross-validation), the package's shipped one, or a --write-prior file")
     ap.add_argument("--from-json", metavar="FILE",
                     help="redo only the selection (targets, leave-one-set-out, default) on the per-set "
                          "figures of a saved result; replays nothing")
     args = ap.parse_args(argv)
-    if args.from_json and args.traces:
-        ap.error("--from-json takes its sets from the saved result: no --traces")
+    if args.from_json and (args.traces or args.write_prior):
+        ap.error("--from-json takes its sets from the saved result: no --traces or --write-prior")
     if args.limit is not None and args.limit < 1 or args.perms < 1:
         ap.error("--limit must be >= 1 and --perms >= 1")
     try:
@@ -169,7 +241,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def describe_looks(waves) -> str:
-    return "waves " + ",".join("rest" if w is None else str(w) for w in waves) if waves else "every path"
+    return "every path" if waves == [1] else "waves " + ",".join("rest" if w is None else str(w) for w in waves)
+
+
+def nested_sources(names: list[str]) -> dict[str, list[tuple[str, ...]]]:
+    """Per set, the sets each of its priors is fitted on: all the others
+    (its own figures), and for each fold that holds out another set, the
+    rest (its figures as a tuning set there)."""
+    out = {}
+    for s in names:
+        others = tuple(x for x in names if x != s)
+        out[s] = [others] + [tuple(x for x in others if x != held) for held in others]
+    return out
 
 
 def main(argv=None) -> int:
@@ -178,28 +261,54 @@ def main(argv=None) -> int:
     if args.from_json:
         return from_json(args, start)
     tokenizer = load_tokenizer(args.tokenizer)
-    rules = grid()
-    sets, skipped = {}, {}
+    candidates = grid()
+    bayes = [c for c in candidates if c.rule.kind == "bayes"]
+    loaded, skipped = {}, {}
     for name, path in trace_sets(args.traces, DEFAULT_TRACES):
         traces = load_vote_traces(path, tokenizer, args.limit)
         if not any(i is not None for t in traces for i in t.ids):
             skipped[name] = "no extractable answers"
             print(f"skipping {name}: no extractable answers")
             continue
+        loaded[name] = traces
+    if not loaded:
+        print("no trace set with extractable answers")
+        return 1
+    votes = {name: full_votes(traces) for name, traces in loaded.items()}
+    fixed = None
+    if args.prior != "others":
+        try:
+            fixed = AnswerPrior.default() if args.prior == "shipped" else \
+                AnswerPrior.from_json(json.loads(open(args.prior, encoding="utf-8").read()))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"python -m evals stop-rules: error: --prior {args.prior}: {e}", file=sys.stderr)
+            return 2
+
+    def prior_from(names) -> AnswerPrior:
+        return fixed or fit_prior([votes[s] for s in names])
+
+    if args.write_prior:
+        write_json(args.write_prior, fit_prior(list(votes.values())).to_json(), indent=None)
+        print(f"wrote {args.write_prior} (fitted on {', '.join(votes)})")
+    sets = {}
+    for name, traces in loaded.items():
         t0 = time.perf_counter()
+        prepared = prepare(traces, args.perms, args.seed, args.waves)
+        own, *tuning = nested_sources(list(loaded))[name]
         sets[name] = {"problems": len(traces), "n": max(len(t.ids) for t in traces),
                       "hard_problems": sum(t.share < HARD_SHARE for t in traces),
                       "full_tokens": sum(sum(t.tokens) for t in traces),
+                      "prior_from": args.prior if fixed else list(own),
                       "looks": {str(n): checkpoints(n, args.waves) for n in sorted({len(t.ids) for t in traces})},
-                      "rules": evaluate(traces, rules, args.perms, args.seed, args.waves)}
+                      "rules": evaluate(traces, prepared, candidates, prior_from(own)),
+                      "tuning": {} if fixed else {"+".join(src): evaluate(traces, prepared, bayes,
+                                                                          prior_from(src))
+                                                  for src in tuning}}
         if args.per_problem:
             sets[name]["per_problem"] = [{"id": t.id, "answers": t.answers, "ids": t.ids, "tokens": t.tokens,
                                           "correct": t.correct, "share": t.share} for t in traces]
-        print(f"{name}: {len(traces)} problems, replayed {len(rules)} rules in "
+        print(f"{name}: {len(traces)} problems, replayed {len(candidates)} rules in "
               f"{time.perf_counter() - t0:.1f}s")
-    if not sets:
-        print("no trace set with extractable answers")
-        return 1
     return select(args, sets, skipped, HARD_SHARE, describe_looks(args.waves), start)
 
 
@@ -216,16 +325,17 @@ def from_json(args, start: float) -> int:
               file=sys.stderr)
         return 2
     saved_args = saved.get("args") if isinstance(saved.get("args"), dict) else {}
-    waves = saved_args.get("waves", [2])
+    waves = saved_args.get("waves", [1])
     return select(args, sets, saved.get("skipped", {}), saved.get("hard_share", HARD_SHARE),
                   describe_looks(waves), start)
 
 
 def select(args, sets: dict, skipped: dict, hard_share: float, looks: str, start: float) -> int:
     """Targets, leave-one-set-out and the default on per-set figures; tables, plot and JSON."""
-    folds, folds_any = loso(sets, GUARANTEED), loso(sets)
-    chosen = choose_default(sets, folds)
-    text = markdown(sets, chosen, folds, folds_any)
+    folds = {"loso": loso(sets, OURS), "loso_guaranteed": loso(sets, GUARANTEED),
+             "loso_any_rule": loso(sets)}
+    chosen = choose_default(sets, folds["loso"])
+    text = markdown(sets, chosen, dict(zip(FOLD_TITLES, folds.values())))
     print()
     print(text)
     table = summary(sets)
@@ -236,8 +346,8 @@ def select(args, sets: dict, skipped: dict, hard_share: float, looks: str, start
     if args.out:
         meets_by_set = {name: {r: meets(v) for r, v in s["rules"].items()} for name, s in sets.items()}
         write_json(args.out, {"args": vars(args), "hard_share": hard_share, "skipped": skipped,
-                              "sets": sets, "selection": table, "loso": folds,
-                              "loso_any_rule": folds_any, "default": chosen, "meets": meets_by_set})
+                              "sets": sets, "selection": table, **folds, "default": chosen,
+                              "meets": meets_by_set})
         with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
             f.write(text + "\n")
         print(f"wrote {args.out}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 
 TARGET_AGREE, TARGET_WORST, TARGET_GOLD_GAP = 0.995, 0.99, 0.005
+OURS = ("bayes", "decided", "sequential")  # the kinds the default is chosen from
 GUARANTEED = ("decided", "sequential")  # kinds whose error holds over all looks
 
 
@@ -17,10 +18,7 @@ def pct(x, digits=1) -> str:
 
 def nominal(r: dict) -> float | None:
     """A rule's stated error (0 for ``decided``; None: no stated error)."""
-    kind = r["rule"]["kind"]
-    if kind == "decided":
-        return 0.0
-    return r["rule"]["error"] if kind in ("sequential", "predictive", "beta") else None
+    return 0.0 if r["rule"]["kind"] == "decided" else r["rule"].get("error")
 
 
 def gold_full(r: dict) -> float | None:
@@ -42,16 +40,24 @@ def meets(r: dict) -> bool:
             and (gap is None or gap <= TARGET_GOLD_GAP + 1e-12))
 
 
+def tuning_figures(sets: dict[str, dict], name: str, rule: str, tune: list[str]) -> dict:
+    """``rule``'s figures on ``name`` as one of the tuning sets ``tune``: a
+    ``bayes`` rule's prior fitted on the other tuning sets only."""
+    s = sets[name]
+    source = "+".join(x for x in tune if x != name)
+    return s.get("tuning", {}).get(source, {}).get(rule, s["rules"][rule])
+
+
 def pick(sets: dict[str, dict], names: list[str], kinds=None) -> str:
-    """Cheapest rule meeting the targets on every set of ``names`` (else ``decided``)."""
+    """Cheapest rule meeting the targets on every set of ``names`` (else
+    ``decided``)."""
     rules = sets[names[0]]["rules"]
     ok = [r for r in rules if (kinds is None or rules[r]["rule"]["kind"] in kinds)
-          and all(meets(sets[s]["rules"][r]) for s in names)]
+          and all(meets(tuning_figures(sets, s, r, names)) for s in names)]
     if not ok:
         return "decided"
-    return min(ok, key=lambda r: (round(sum(sets[s]["rules"][r]["tokens_frac_perm_mean"]
-                                            for s in names) / len(names), 9),
-                                  rules[r]["rule"]["error"], -rules[r]["rule"]["min_samples"]))
+    return min(ok, key=lambda r: (round(sum(tuning_figures(sets, s, r, names)["tokens_frac_perm_mean"]
+                                            for s in names) / len(names), 9), r))
 
 
 def loso(sets: dict[str, dict], kinds=None) -> list[dict]:
@@ -71,20 +77,42 @@ def loso(sets: dict[str, dict], kinds=None) -> list[dict]:
 
 
 def choose_default(sets: dict[str, dict], folds: list[dict]) -> str:
-    """The folds' common pick, else the most cautious of them (smallest error)."""
-    picks = {f["rule"] for f in folds} or {pick(sets, list(sets), GUARANTEED)}
-    rules = next(iter(sets.values()))["rules"]
+    """The folds' common pick, else the most cautious of them: the one
+    whose worst set agrees most (then the one using more tokens)."""
+    picks = {f["rule"] for f in folds} or {pick(sets, list(sets), OURS)}
     if "decided" in picks:
         return "decided"
-    return min(picks, key=lambda r: (rules[r]["rule"]["error"], -rules[r]["rule"]["min_samples"]))
+    table = summary(sets)
+    return max(picks, key=lambda r: (min(s["rules"][r]["agreement_perm_mean"] for s in sets.values()),
+                                     table[r]["tokens_frac_mean"], r))
 
 
 def summary(sets: dict[str, dict]) -> dict[str, dict]:
-    """Per rule over all sets: mean token share and whether every set meets the targets."""
+    """Per rule over all sets: mean token share, the worst set's agreement
+    (mean of orders) and whether every set meets the targets."""
     names = next(iter(sets.values()))["rules"]
     return {r: {"tokens_frac_mean": sum(s["rules"][r]["tokens_frac_perm_mean"] for s in sets.values())
-                / len(sets), "meets_all": all(meets(s["rules"][r]) for s in sets.values())}
+                / len(sets),
+                "agreement_worst_set": min(s["rules"][r]["agreement_perm_mean"] for s in sets.values()),
+                "meets_all": all(meets(s["rules"][r]) for s in sets.values())}
             for r in names}
+
+
+def peers_table(sets: dict[str, dict], default: str) -> str:
+    """The default beside the published rules at their published settings:
+    per set tokens % / agreement % (mean of the random orders)."""
+    names = [default, default + " static", "sequential(error=0.2, min=3)", "adaptive(error=0.05)",
+             "esc(5)", "consol"]
+    names = [n for n in dict.fromkeys(names) if n in next(iter(sets.values()))["rules"]]
+    table = summary(sets)
+    lines = ["| rule | " + " | ".join(sets) + " | mean tokens % | worst set's agreement % |",
+             "|---" * (len(sets) + 3) + "|"]
+    for n in names:
+        cells = [f"{pct(s['rules'][n]['tokens_frac_perm_mean'])} / {pct(s['rules'][n]['agreement_perm_mean'], 2)}"
+                 for s in sets.values()]
+        lines.append(f"| {n} | " + " | ".join(cells) + f" | {pct(table[n]['tokens_frac_mean'])} | "
+                     f"{pct(table[n]['agreement_worst_set'], 2)} |")
+    return "\n".join(lines)
 
 
 def gold(r: dict) -> str:
@@ -127,38 +155,44 @@ def loso_table(folds: list[dict], title: str) -> str:
     return "\n".join(lines)
 
 
-def markdown(sets: dict[str, dict], default: str, folds: list[dict], folds_any: list[dict]) -> str:
-    text = [set_tables(sets, default), ""]
-    if folds:
-        text += [loso_table(folds, "Leave-one-set-out, rules with a guarantee over all looks "
-                            "(sets the default)"), "",
-                 loso_table(folds_any, "Leave-one-set-out, any rule (for comparison)"), ""]
+def markdown(sets: dict[str, dict], default: str, folds: dict[str, list[dict]]) -> str:
+    """Tables: the default beside the peers, the folds (``folds``: title ->
+    folds), every rule per set, and the summary."""
+    text = ["**Ours beside the peers (tokens % / agreement %, mean of the random orders)**", "",
+            peers_table(sets, default), ""]
+    for title, fs in folds.items():
+        if fs:
+            text += [loso_table(fs, title), ""]
+    text += [set_tables(sets, default), ""]
     table = summary(sets)
-    text += ["| rule | mean tokens % over sets | every set meets the targets |", "|---|---|---|"]
+    text += ["| rule | mean tokens % over sets | worst set's agreement % | every set meets the targets |",
+             "|---|---|---|---|"]
     for name, v in sorted(table.items(), key=lambda kv: kv[1]["tokens_frac_mean"]):
         mark = " **(default)**" if name == default else ""
-        text.append(f"| {name}{mark} | {pct(v['tokens_frac_mean'])} | {'yes' if v['meets_all'] else 'no'} |")
+        text.append(f"| {name}{mark} | {pct(v['tokens_frac_mean'])} | {pct(v['agreement_worst_set'], 2)} | "
+                    f"{'yes' if v['meets_all'] else 'no'} |")
     return "\n".join(text)
 
 
-def plot(sets: dict[str, dict], default: str, path: str, looks: str = "waves of 2") -> bool:
+def plot(sets: dict[str, dict], default: str, path: str, looks: str = "every path") -> bool:
     """Token share against agreement, per set and rule family; the default starred."""
     from ..plots import load_pyplot, save_figure
 
     _, plt = load_pyplot()
     if plt is None:
         return False
-    markers = {"sequential": "o", "predictive": "s", "beta": "^", "window": "v", "margin": "D",
-               "decided": "X"}
+    markers = {"bayes": "*", "sequential": "o", "predictive": "s", "beta": "^", "window": "v",
+               "margin": "D", "decided": "X", "adaptive": "P", "esc": "<", "consol": ">"}
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for i, (set_name, s) in enumerate(sets.items()):
         color = f"C{i}"
         for kind, marker in markers.items():
             pts = sorted((100 * r["tokens_frac_perm_mean"], 100 * r["agreement_perm_mean"])
-                         for r in s["rules"].values() if r["rule"]["kind"] == kind)
+                         for r in s["rules"].values()
+                         if r["rule"]["kind"] == kind and r["rule"].get("learn", True))
             if pts:
                 ax.plot(*zip(*pts), marker=marker, color=color, alpha=0.8, markersize=5,
-                        linestyle={"sequential": "-", "predictive": ":"}.get(kind, "none"))
+                        linestyle={"bayes": "-", "sequential": "--", "adaptive": ":"}.get(kind, "none"))
         r = s["rules"][default]
         ax.plot(100 * r["tokens_frac_perm_mean"], 100 * r["agreement_perm_mean"], marker="*",
                 color=color, markersize=18, markeredgecolor="black", linestyle="none")
