@@ -188,10 +188,13 @@ def test_configs_pair_plain_and_adaptive_runs(small_jsonl):
         (n, w, 64, e) for n in (8, 16) for w, e in (
             ("all", "off"), ("2+path-check", "decided"), ("2,rest", "off"), ("2,rest+path-check", "decided"))]
     assert [s.describe() for _, s, _ in configs(got)] == [c["schedule"] for c in got["configs"]]
-    # all at once can only stop with per-path checks; the useless combination is skipped
-    out = math_cli("--dataset", small_jsonl, "--waves", "all", "4,rest", "--early-stop", "on", "--dry-run")
-    assert [c["schedule"] for c in json.loads(ok(out))["configs"]] == ["4,rest"]
-    assert "note: skipping waves all with early stop" in out.stderr
+    # all at once can stop only with per-path checks; with whole-wave ones it is skipped
+    out = math_cli("--dataset", small_jsonl, "--waves", "all", "4,rest", "--early-stop", "on", "--dry-run",
+                   "--check", "wave")
+    assert [c["schedule"] for c in json.loads(ok(out))["configs"]] == ["4,rest+wave-check"]
+    assert "note: skipping waves all+wave-check with early stop" in out.stderr
+    out = math_cli("--dataset", small_jsonl, "--waves", "all", "--early-stop", "on", "--dry-run")
+    assert [c["schedule"] for c in json.loads(ok(out))["configs"]] == ["all"]
 
 
 def test_spec_configs(small_jsonl):
@@ -480,7 +483,7 @@ def test_comparisons_table_and_plots(tmp_path):
     assert table in (tmp_path / "r.md").read_text()
     points = data["tradeoff_replay"]
     assert {(p["method"], p["n"], p["waves"], p["rule"]) for p in points} == {
-        (m, n, "2,rest", r) for m, n in (("none", 4), ("consensus", 4), ("consensus", 8))
+        (m, n, "2,rest+wave-check", r) for m, n in (("none", 4), ("consensus", 4), ("consensus", 8))
         for r in ("decided", "predictive(error=0.2, min=3)")}
     md = tradeoff_table(stdout)
     assert len(md) == len(points) + 2
@@ -507,10 +510,11 @@ def test_replay_measures_stopping_error_on_plain_samples(tmp_path):
     assert plain["maj_at_n"] == 1.0
     points = {(p["waves"], p["rule"]): p for p in data["tradeoff_replay"]}
     assert exact["replay_agreement"] == 1.0
-    assert points[("4,4,rest", "decided")]["agreement"] == 1.0 and points[("4,4,rest", "decided")]["maj"] == 1.0
+    wave = "4,4,rest+wave-check"  # the rows' own check, whole waves
+    assert points[(wave, "decided")]["agreement"] == 1.0 and points[(wave, "decided")]["maj"] == 1.0
     assert rep["replay_tokens"] == pytest.approx((4 + 4) / 32)
     assert rep["replay_agreement"] == 0.5  # problem 1 stopped on the wrong leader
-    on = points[("4,4,rest", StopRule().describe())]
+    on = points[(wave, StopRule().describe())]
     assert on["tokens_frac"] == pytest.approx((4 + 4) / 32) and on["agreement"] == 0.5 and on["maj"] == 0.5
     assert per_path["replay_tokens"] <= rep["replay_tokens"]
 
@@ -575,11 +579,12 @@ def test_waves_simulation_on_plain_samples(tmp_path):
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"results": [dict(method="none", n=16, waves="all", early_stop="off",
                                                  per_problem=per_problem)]}))
-    out = ok(run_evals("waves-sim", path, "--waves", "4,4,rest", "all", "--rules", "on", "decided",
+    out = ok(run_evals("waves-sim", path, "--waves", "4,4,rest", "all+wave-check", "--rules", "on", "decided",
                        "--capacity", "32", "--perms", "2"))
     rows = [line for line in out.splitlines() if line.startswith("| 4,4,rest") or line.startswith("| all")]
     assert len(rows) == 4
-    # all at once never stops: exactly the baseline; waves + predictive saves tokens
+    # all at once voting after whole waves never stops: exactly the baseline;
+    # waves + the default rule save tokens
     assert rows[2].split("|")[3].strip() == "100.0"
     assert float(rows[0].split("|")[3]) < 100.0
 

@@ -28,7 +28,8 @@ Agreement is with the full-N vote, a tie in it counting for any of its
 leaders.  Prints the tables (:mod:`evals.adaptive.stop_rules_cv`), writes
 them next to a JSON file of all figures, and names the default rule the
 cross-validation supports.  ``--write-prior`` fits the prior on every set
-given and writes it (the package's ``answer_prior.json`` is made so);
+given, writes it and replays nothing (the package's ``answer_prior.json``
+is made so: ``--write-prior consensus_spec/sampling/answer_prior.json``);
 ``--from-json`` replays nothing: it redoes the selection on a saved result.
 """
 
@@ -221,7 +222,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--per-problem", action="store_true",
                     help="also write each problem's answers, class ids, token counts and gold classes")
     ap.add_argument("--write-prior", metavar="JSON",
-                    help="fit the answer prior on every set given and write it there")
+                    help="fit the answer prior on every set given, write it there, replay nothing")
     ap.add_argument("--prior", default="others", metavar="others|shipped|JSON",
                     help="the prior each run starts from: fitted on the other sets given (default; "
                          "cross-validation), the package's shipped one, or a --write-prior file")
@@ -290,6 +291,7 @@ def main(argv=None) -> int:
     if args.write_prior:
         write_json(args.write_prior, fit_prior(list(votes.values())).to_json(), indent=None)
         print(f"wrote {args.write_prior} (fitted on {', '.join(votes)})")
+        return 0
     sets = {}
     for name, traces in loaded.items():
         t0 = time.perf_counter()

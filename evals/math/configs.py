@@ -27,8 +27,9 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-RULE_PARAMS = {"sequential": ("error", float), "predictive": ("error", float), "beta": ("error", float),
-               "window": ("window", int), "margin": ("margin", int)}
+RULE_PARAMS = {"bayes": ("error", float), "sequential": ("error", float), "predictive": ("error", float),
+               "beta": ("error", float), "adaptive": ("error", float), "window": ("window", int),
+               "esc": ("window", int), "margin": ("margin", int)}
 
 
 def parse_early_stop(values: list[str] | None) -> list:
@@ -100,7 +101,7 @@ def build_configs(args) -> list[tuple]:
                     waves_here = Schedule().waves if rule is not None else (REST,)
                 else:
                     waves_here, fill = waves.waves, waves.fill_idle
-                check = args.check if rule is not None else "wave"
+                check = args.check if rule is not None else "index"  # no rule: no check at all
                 schedule = Schedule(waves=waves_here, capacity=args.capacity, check=check, fill_idle=fill)
                 if rule is not None and check == "wave" and len(schedule.sizes(n)) < 2:
                     skipped.append(f"waves {schedule.describe()} with early stop "
@@ -110,7 +111,7 @@ def build_configs(args) -> list[tuple]:
                     configs.append((n, schedule, rule))
     if not configs:
         raise UsageError(f"no configuration left to run: {skipped[0]} is one wave, so whole-wave "
-                         "checks never stop (use --check path or more waves)")
+                         "checks never stop (use --check index or more waves)")
     for text in skipped:
         print(f"note: skipping {text}: one wave, nothing to stop", file=sys.stderr)
     return configs

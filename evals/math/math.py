@@ -58,9 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="wave sizes per problem, list ok: auto (default: all at once without "
                          "early stop, the default waves (of 2) with it), all, or e.g. 1,2,4,rest; "
                          "+no-fill: idle rows do not start later waves early")
-    ap.add_argument("--check", choices=("wave", "path"), default="wave",
-                    help="take the stop vote after whole waves (default) or after every path "
-                         "(aborts running paths)")
+    ap.add_argument("--check", choices=("index", "wave", "path"), default="index",
+                    help="take the stop vote after every path in path order (default; aborts the "
+                         "paths still running), after whole waves, or after every path as they "
+                         "finish (shortest first: biased)")
     ap.add_argument("--capacity", type=int,
                     help="paths in flight (default: the engine's max_num_seqs)")
     ap.add_argument("--scouts", type=int, nargs="+",

@@ -16,8 +16,8 @@ from ..plots import load_pyplot, save_figure
 
 PLAIN = ("all", "off")
 # Rules replayed for the trade-off curve (waves: the run's, or the default).
-TRADEOFF_RULES = ("decided", "predictive:0.01", "predictive:0.02", "predictive:0.05",
-                  "predictive:0.1", "predictive:0.2", "beta:0.05", "margin:3", "window:4")
+TRADEOFF_RULES = ("decided", "bayes:0.001", "bayes:0.002", "bayes:0.005", "bayes:0.01",
+                  "sequential:0.2", "adaptive", "esc", "consol")
 
 
 def public(rows: list[dict]) -> list[dict]:
@@ -67,7 +67,7 @@ def add_comparisons(rows: list[dict]) -> None:
         r["agreement"] = answer_agreement(r, plain) if plain is not None and r is not plain else None
         r["replay_agreement"] = r["replay_tokens"] = None
         if plain is not None and r.get("_stop_rule") is not None:
-            rep = replay(plain, r["wave_sizes"], r["_stop_rule"], r.get("check", "wave"))
+            rep = replay(plain, r["wave_sizes"], r["_stop_rule"], r.get("check", "wave"))  # older files: waves
             r["replay_agreement"], r["replay_tokens"] = rep["agreement"], rep["tokens_frac"]
 
 
@@ -128,10 +128,10 @@ def answer_classes(plain: dict) -> list[tuple[list, list[int], list[bool]]]:
     return cached
 
 
-def replay(plain: dict, wave_sizes: list[int], rule, check: str = "wave") -> dict:
+def replay(plain: dict, wave_sizes: list[int], rule, check: str = "index") -> dict:
     """Stop ``rule`` replayed on a plain run's samples in path order (a random
-    order: all paths ran at once), checked after the waves ``wave_sizes`` (or
-    every path with ``check="path"``).  Returns the share of tokens used,
+    order: all paths ran at once), checked after every path (``check``
+    ``"index"`` or ``"path"``) or after the waves ``wave_sizes`` (``"wave"``).  Returns the share of tokens used,
     agreement with the plain run's own full-n vote, and maj accuracy."""
     from ..adaptive.stop_rules import prefix_tallies, replay_order, wave_ends
 
@@ -139,11 +139,11 @@ def replay(plain: dict, wave_sizes: list[int], rule, check: str = "wave") -> dic
     problems = answer_classes(plain)
     for ids, tokens, right in problems:
         n = len(ids)
-        checks = list(range(1, n)) if check == "path" else wave_ends(wave_sizes, n)
+        checks = wave_ends(wave_sizes, n) if check == "wave" else list(range(1, n))
         _, tok, stopped, full = replay_order(ids, tokens, rule, checks, prefix_tallies(ids))
         used_tok += tok
         full_tok += sum(tokens)
-        agree += stopped == full
+        agree += stopped in full
         correct += stopped is not None and right[stopped]
     count = max(1, len(problems))
     return dict(tokens_frac=used_tok / full_tok if full_tok else None, agreement=agree / count,
@@ -151,21 +151,22 @@ def replay(plain: dict, wave_sizes: list[int], rule, check: str = "wave") -> dic
 
 
 def tradeoff(rows: list[dict], rules: Iterable[str] = TRADEOFF_RULES) -> list[dict]:
-    """Replay ``rules`` x the waves of this run (default waves if none) on
-    every plain row: the tokens-vs-agreement curve."""
+    """Replay ``rules`` x the waves (and checks) of this run (default waves if
+    none) on every plain row: the tokens-vs-agreement curve."""
     from consensus_spec.sampling.waves import Schedule
 
     from .configs import parse_early_stop
 
-    waves = {r["waves"] for r in rows if not is_plain(r) and r["waves"] != "all"} or {"default"}
+    waves = {(r["waves"], r.get("check", "wave")) for r in rows
+             if not is_plain(r) and r["waves"] != "all"} or {("default", Schedule().check)}
     out = []
     for plain in (r for r in rows if is_plain(r)):
-        for w in sorted(waves):
-            schedule = Schedule() if w == "default" else Schedule.parse(w.split("+")[0])
+        for w, check in sorted(waves):
+            schedule = Schedule() if w == "default" else Schedule.parse(w.split("+")[0], check=check)
             sizes = schedule.sizes(plain["n"])
             for spec in rules:
                 (rule,) = parse_early_stop([spec])
-                rep = replay(plain, sizes, rule)
+                rep = replay(plain, sizes, rule, check)
                 out.append(dict(method=plain["method"], n=plain["n"], waves=schedule.describe(),
                                 rule=rule.describe(), **rep, maj_full=plain["maj_at_n"]))
     return out

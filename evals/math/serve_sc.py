@@ -166,9 +166,9 @@ def replayed_stop(record: dict, n: int, schedule: str | None = None) -> dict:
 
     ids = cluster_answers(record["path_answers"])
     waves = Schedule.parse(schedule) if schedule else Schedule()
-    checks = wave_ends(waves.sizes(n), n)
+    checks = wave_ends(waves.sizes(n), n) if waves.check == "wave" else list(range(1, n))
     used, tokens, stopped, full = replay_order(ids, record["path_tokens"], StopRule(), checks)
-    return {"agree": stopped == full, "paths": used, "tokens": tokens}
+    return {"agree": stopped in full, "paths": used, "tokens": tokens}
 
 
 def summarize(runs: list[dict], probs: list[dict], args) -> dict:
