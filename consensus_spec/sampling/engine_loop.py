@@ -70,8 +70,8 @@ class Voting:
 def resolve_stop_rule(early_stop: Any) -> StopRule | None:
     """``early_stop`` argument -> StopRule or None (off).
 
-    None/False: off.  True: the default :class:`StopRule` (sequential, error
-    0.2: a bound over every look).  A StopRule: itself.  A kind name (``"decided"``, ``"predictive"``,
+    None/False: off.  True: the default :class:`StopRule` (``bayes``, error
+    0.002).  A StopRule: itself.  A kind name (``"decided"``, ``"predictive"``,
     ...): that kind with default parameters.  A number m > 0 (the old margin
     API): ``StopRule(kind="margin", margin=ceil(m), min_samples=1)``.
     """

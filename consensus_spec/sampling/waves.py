@@ -55,20 +55,14 @@ class Schedule:
     a run: without it, the last problems' waves run one after another on a
     nearly empty batch.
 
-    Default waves ``(2,)``, waves of 2 (at n=16: votes after 2, 4, ..., 14
-    paths), with ``fill_idle``.  More check points save tokens on contested
-    problems, and idle fill removes the serial tail that made small waves
-    slow.  Measured with the default
-    :class:`~consensus_spec.sampling.stopping.StopRule` (sequential, error
-    0.2): ``python -m evals waves-sim`` on a 200-problem n=16 run of the
-    embedded model (5 path orders, CPU step-cost model, capacity 256), with
-    consensus drafting: waves of 2 use 73.6% of the full run's tokens and an
-    estimated 73.8% of its wall time (waves of 4: 76.9%; ``(3, 4)`` 80.7%;
-    ``(1, 2, 4, rest)`` 85.2%), 100% agreement with the full-16 vote in all
-    5 orders; ``python -m evals waves --rows 64`` on the shared traces,
-    3 path orders: projected H200 time to all answers (from measured step
-    costs, not a GPU run) 2.02x (waves of 4: 1.78x)
-    on gsm8k n=8 and 5.80x (5.64x) on addsub n=40, agreement 100% and 99.9%.
+    Default waves ``(2,)``, waves of 2 voted after every path in path
+    order, with ``fill_idle``: the engine keeps two paths of a problem in
+    flight and a stop can come after any path.  ``python -m evals waves
+    --rows 64`` on the shared traces (3 path orders; projected H200 time
+    from measured step costs, not a GPU run), the default stop rule and
+    consensus drafting: 63.0% of the tokens and 2.07x on gsm8k n=8, 20.2%
+    and 6.14x on addsub n=40; voting only after whole waves
+    (``check="wave"``): 64.9% and 20.6% (docs/stopping.md).
     """
 
     waves: tuple[int | str, ...] = DEFAULT_WAVES
