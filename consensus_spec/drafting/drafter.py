@@ -259,7 +259,8 @@ class ConsensusDrafter:
 
     def extend_and_draft(self, paths, buffer, rows, begins, ends, max_tokens, min_prob=None):
         """:meth:`extend_from` then :meth:`draft`, in one compiled call;
-        ``min_prob`` raises the options' one for this call."""
+        ``min_prob`` raises the options' one for this call. The arrays
+        returned are the forest's buffers: valid until the next call."""
         o = self.options
         self._make_room()
         floor = o.min_prob if min_prob is None else max(o.min_prob, min_prob)
@@ -288,9 +289,10 @@ class ConsensusDrafter:
         over budget; checked before each call, so a call never finds the
         arena full short of one bigger than a quarter of a half."""
         f = self.forest
+        room = f.room(ROTATE_AT, OLD_FULL_AT)
         if tidy:
-            f.tidy()
-        if f.fill(f.young) > ROTATE_AT or f.fill(f.old) > OLD_FULL_AT:
+            f.tidy(young_half_full=bool(room & 2))
+        if room & 1:
             self._rotate()
         elif f.tokens_appended - self._cross_since > self.options.cross_group_tokens:
             self._new_cross()  # the old trie stays, as garbage, until its half is dropped
