@@ -19,6 +19,7 @@ GROUPS = {
         ("device-route", "markdown of a replay's device-route runs (device-lag*)"),
         ("faults", "corrupted proposer inputs on chosen replay steps: containment and tau"),
         ("stream", "long-run memory and quality: millions of tokens through one proposer"),
+        ("propose-time", "propose()'s host time per row-step by phase, current code vs an earlier commit"),
     ),
     "evals.adaptive": (  # adaptive self-consistency: when to stop sampling
         ("stop-rules", "replay adaptive stopping rules on recorded traces"),

@@ -143,7 +143,8 @@ def _check_ranges(state, half, starts, buf, rows, begins, ends):
 
 
 @kernel
-def _extend_into(nodes, t0, t1, shift, half, state, max_depth, starts, buf, rows, begins, ends, out):
+def _extend_into(nodes, t0, t1, shift, half, state, max_depth, starts, buf, rows, begins, ends,
+                 out):
     """Append ``buf[rows[i], begins[i]:ends[i]]`` to each sequence ``starts[i, s]``
     (-1: none), its new node into ``out[i, s]`` (``out`` may be ``starts``).
     Returns (error or 0, tokens per sequence, half lacking room or -1); on
@@ -228,6 +229,41 @@ def _draft_row(nodes, t0, t1, shift, half, max_depth, a, b, weight_b, max_tokens
 
 
 @kernel
+def _draft_into(nodes, t0, t1, shift, half, max_depth, start, max_tokens, weight_b, min_prob,
+                min_match, prior, memo, tok, prob, lens):
+    """Row i's joint greedy draft from nodes ``start[i]`` (A, B), at most
+    ``max_tokens[i]`` tokens and ``tok``'s width, into ``tok[i]`` and
+    ``prob[i]`` (0 past its length) and ``lens[i]``.
+
+    Siblings at the same context draft the same walk: a row whose (A, B)
+    an earlier row drafted from copies that draft, cut to its own limit,
+    instead of walking it again (``memo``: scratch, a power of two >= 2m)."""
+    m, k = tok.shape
+    mask = memo.shape[0] - 1
+    memo[:] = -1
+    for i in range(m):
+        a, b = start[i, 0], start[i, 1]
+        limit = max(min(max_tokens[i], k), 0)  # < 0 (no room left): no draft
+        slot = ((a * 0x9E3779B1) ^ (b + 1)) & mask
+        while memo[slot] >= 0 and not (start[memo[slot], 0] == a and start[memo[slot], 1] == b):
+            slot = (slot + 1) & mask
+        j = memo[slot]
+        if j >= 0 and (limit <= max(min(max_tokens[j], k), 0) or lens[j] < min(max_tokens[j], k)):
+            n = min(lens[j], limit)  # the same walk, stopped where it stopped or at limit
+            for t in range(n):
+                tok[i, t] = tok[j, t]
+                prob[i, t] = prob[j, t]
+        else:
+            n = _draft_row(nodes, t0, t1, shift, half, max_depth, a, b, weight_b, limit, min_prob,
+                           min_match, prior, tok[i], prob[i])
+            memo[slot] = i
+        for t in range(n, k):
+            tok[i, t] = 0
+            prob[i, t] = 0.0
+        lens[i] = n
+
+
+@kernel
 def _draft(nodes, t0, t1, shift, half, state, max_depth, nodes_a, nodes_b, weight_b,
            max_tokens, k, min_prob, min_match, prior):
     rows = nodes_a.shape[0]
@@ -237,10 +273,14 @@ def _draft(nodes, t0, t1, shift, half, state, max_depth, nodes_a, nodes_b, weigh
     for i in range(rows):
         if not (_valid(state, half, nodes_a[i]) and _valid(state, half, nodes_b[i])):
             return toks, probs, lens, _BAD_INPUT
-    for i in range(rows):
-        lens[i] = _draft_row(nodes, t0, t1, shift, half, max_depth, nodes_a[i], nodes_b[i],
-                             weight_b, min(max_tokens[i], k), min_prob, min_match, prior,
-                             toks[i], probs[i])
+    start = np.empty((rows, 2), np.int64)
+    start[:, 0] = nodes_a
+    start[:, 1] = nodes_b
+    size = 2
+    while size < 2 * rows:
+        size *= 2
+    _draft_into(nodes, t0, t1, shift, half, max_depth, start, max_tokens, weight_b, min_prob,
+                min_match, prior, np.empty(size, np.int64), toks, probs, lens)
     return toks, probs, lens, 0
 
 
@@ -268,17 +308,13 @@ def _extend_draft(nodes, t0, t1, shift, half, state, max_depth, cursors, ids, bu
                   ends, max_tokens, weight_b, min_prob, min_match, prior, starts, memo, toks, probs,
                   lens):
     """Every sequence ``ids[i]`` (a row of ``cursors``) takes its tokens,
-    then every one drafts at most ``max_tokens[i]`` (k: the largest) into
-    ``toks`` and ``probs`` (flat, row i at ``i * k``: a (m, k) array) and
-    ``lens``; past a draft's length they are 0. ``starts`` ((m, 2) or more)
-    and ``memo`` (a power of two >= 2m) are scratch: nothing is allocated.
-
-    Siblings at the same context draft the same walk: a row whose (A, B)
-    nodes an earlier row of this call drafted from copies that draft (cut
-    to its own ``max_tokens``) instead of walking it again.
+    then every one drafts (:func:`_draft_into`) at most ``max_tokens[i]``;
+    k, the width, is the largest. ``toks`` and ``probs`` are flat (row i
+    at ``i * k``), ``lens`` per row; ``starts`` ((m, 2) or more) and
+    ``memo`` (a power of two >= 2m) are scratch: nothing is allocated.
 
     Returns (error or 0, k, tokens appended, half lacking room or -1);
-    ``_SMALL`` (k then being the width needed) if ``toks`` cannot hold m x k."""
+    ``_SMALL`` if ``toks`` cannot hold m x k (nothing changed then)."""
     m = ids.shape[0]
     k = 0
     for i in range(m):
@@ -302,30 +338,9 @@ def _extend_draft(nodes, t0, t1, shift, half, state, max_depth, cursors, ids, bu
     for i in range(m):
         cursors[ids[i], 0] = start[i, 0]
         cursors[ids[i], 1] = start[i, 1]
-    tok = toks[:m * k].reshape((m, k))
-    prob = probs[:m * k].reshape((m, k))
-    mask = memo.shape[0] - 1
-    memo[:] = -1
-    for i in range(m):
-        a, b = start[i, 0], start[i, 1]
-        limit = max(min(max_tokens[i], k), 0)  # < 0 (no room left): no draft
-        slot = ((a * 0x9E3779B1) ^ (b + 1)) & mask
-        while memo[slot] >= 0 and not (start[memo[slot], 0] == a and start[memo[slot], 1] == b):
-            slot = (slot + 1) & mask
-        j = memo[slot]
-        if j >= 0 and (limit <= max(min(max_tokens[j], k), 0) or lens[j] < min(max_tokens[j], k)):
-            n = min(lens[j], limit)  # the same walk, stopped where it stopped or at limit
-            for t in range(n):
-                tok[i, t] = tok[j, t]
-                prob[i, t] = prob[j, t]
-        else:
-            n = _draft_row(nodes, t0, t1, shift, half, max_depth, a, b, weight_b, limit, min_prob,
-                           min_match, prior, tok[i], prob[i])
-            memo[slot] = i
-        for t in range(n, k):
-            tok[i, t] = 0
-            prob[i, t] = 0.0
-        lens[i] = n
+    _draft_into(nodes, t0, t1, shift, half, max_depth, start, max_tokens, weight_b, min_prob,
+                min_match, prior, memo, toks[:m * k].reshape((m, k)), probs[:m * k].reshape((m, k)),
+                lens[:m])
     return 0, k, total, -1
 
 
