@@ -344,7 +344,7 @@ class OnlineStepCosts:
         if self._steps[b] % EXPLORE_EVERY != 1:
             return 0.0
         s = self._state[b]
-        if s[OBSERVED] == s[EXPLORED_AT]:
+        if s.item(OBSERVED) == s.item(EXPLORED_AT):
             return 0.0
         relative, of_step = self.uncertainty(batch)
         if relative <= EXPLORE_ABOVE or of_step <= EXPLORE_STEP_SHARE:
@@ -355,8 +355,10 @@ class OnlineStepCosts:
     def first_token_cost(self, batch: int, shade: float = 0.0) -> float:
         """The cost of one draft token relative to the step without drafts
         (drafter included): what the budget's floor needs, without a table."""
-        a, c1, c2, drafter = self._state[self._bucket(batch), [THETA, THETA + 1, THETA + 2, DRAFTER]].tolist()
-        inc1 = float(self._prior_at(batch, 1)[1][1])
+        b, state = self._bucket(batch), self._state
+        a, c1, c2 = state.item(b, THETA), state.item(b, THETA + 1), state.item(b, THETA + 2)
+        drafter = state.item(b, DRAFTER)
+        inc1 = self._prior_at(batch, 1)[1].item(1)
         extra = max(1.0 + shade, 0.0) * max(c1 / batch + c2 * inc1, 0.0)
         return extra / (max(a, 1e-3) + drafter)
 

@@ -92,6 +92,15 @@ def _value(probs, chosen, batch, step_ms, rate):
     return gain / step_ms[min(kept, step_ms.shape[0] - 1)]
 
 
+@kernel
+def _most_kept(lengths, k):
+    """The most draft tokens a choice can keep: the sum of min(length, k)."""
+    n = 0
+    for i in range(lengths.shape[0]):
+        n += min(lengths[i], k)
+    return n
+
+
 EXPLORE_LOSS = 0.01  # an exploring step may cost at most this share of its expected yield
 
 _NO_CALIBRATION = np.zeros(0)
@@ -195,7 +204,7 @@ class DraftBudget:
             out[:] = 0
             return out
         rate = self.calibrator.rate()
-        tokens = int(np.minimum(lengths, probs.shape[1] if probs.ndim == 2 else 0).sum())
+        tokens = int(_most_kept(lengths, probs.shape[1] if probs.ndim == 2 else 0))
         _choose(probs, lengths, batch, self.step_ms(batch, tokens), rate, out)
         if self._explore:
             self._explore = False

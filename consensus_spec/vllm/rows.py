@@ -99,6 +99,7 @@ class RowTracker:
         self._window = np.zeros((0, _MAX_MISSED + 1), np.uint64)  # see K._match
         self._state = np.zeros(0, np.int64)  # row -> K._IDLE, K._EXACT or K._OTHER this step
         self._counts = np.zeros(0, np.int64)  # row -> tokens sampled this step
+        self._step_tokens = 0  # their sum
         # (length, hash) -> paths, oldest first; keys least recently parked first
         self._parked: OrderedDict[tuple, list] = OrderedDict()
         self._parked_lengths: dict[int, int] = {}  # length -> parked keys with it
@@ -126,7 +127,13 @@ class RowTracker:
     @property
     def step_tokens(self) -> int:
         """Tokens the rows of the last update produced (sampled and accepted)."""
-        return int(self._counts.sum())
+        return self._step_tokens
+
+    @property
+    def events(self) -> int:
+        """Paths started and resumed, tokens missed and rows rejected, in all:
+        unchanged by a step in which every row simply continued."""
+        return self.paths_started + self.paths_resumed + self.tokens_missed + self.rows_rejected
 
     @property
     def num_rows(self) -> int:
@@ -152,10 +159,11 @@ class RowTracker:
             ends = ends.astype(np.int64)
         self._grow(num_rows)
         self._counts = counts
-        *step, gone, gone_lens, gone_hashes, moved, missed, unresolved, rejected = K._match(
+        (rows, paths, begins, step_ends, contiguous, gone, gone_lens, gone_hashes, moved, missed,
+         unresolved, rejected, self._step_tokens) = K._match(
             counts, ends, token_ids, self._lens, self._tail, self._hash, self._path,
             self._state, self._window, self._token_limit)
-        step = RowUpdate(*step)
+        step = RowUpdate(rows, paths, begins, step_ends, contiguous)
         self.paths_moved += moved
         self.tokens_missed += missed
         self.rows_rejected += rejected
@@ -172,11 +180,12 @@ class RowTracker:
         rows = np.flatnonzero((self._path >= 0) & (self._lens > 0))
         return rows, self._path[rows].copy(), self._lens[rows].copy()
 
-    def accepted(self, rows, paths, sent) -> np.ndarray:
+    def accepted(self, rows, paths, sent) -> tuple[np.ndarray, int, int]:
         """For drafts sent last step (``sent[j]`` tokens to ``paths[j]`` in
         row ``rows[j]``), how many the verifier kept, judged from this step's
-        update. Rows that no longer hold their path contiguously count
-        nothing and get ``sent[j] = 0`` (in place)."""
+        update, and their sum, and the draft tokens judged. Rows that no
+        longer hold their path contiguously count nothing and get
+        ``sent[j] = 0`` (in place)."""
         return K._accepted(rows, paths, sent, self._path, self._state, self._counts)
 
     def _settle(self, step: RowUpdate, token_ids) -> None:

@@ -16,10 +16,12 @@ the median (or p99) over the calls of a run, and the range over repeats.
 One more run of each code, instrumented, splits every call into
 - row tracking: ``RowTracker.update`` and ``.accepted``;
 - trie extension and drafting: the drafter's one compiled call, made as
-  two here (extend, then draft the same rows) so each can be timed;
+  its two compiled steps here (extend every row, then draft every row:
+  the same drafts), each timed with its thin Python wrapper;
 - budget: ``DraftBudget``'s floor, the call that keeps draft lengths and
   what it observes (calibration, step costs, the guard);
-- glue: the rest of propose() (the timers' own cost lands here).
+- glue: the rest of propose(), the drafter's bookkeeping around its
+  compiled call included (the timers' own cost lands here too).
 Each phase's median and p99 per row-step over the calls.
 
 Last, both codes are driven in lock step on one deterministic clock, and
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import sys
 import time
 
 import numpy as np
@@ -110,20 +113,31 @@ class TimedBudget:
 
 
 def split_drafter(drafter, calls: Calls):
-    """``drafter.extend_and_draft`` as two timed calls: extend, then draft
-    (the public API both codes share; the same drafts)."""
+    """``drafter.extend_and_draft`` as its two compiled steps, each timed:
+    the forest's ``extend_rows`` and ``draft_many`` (both codes have them,
+    and the drafts are the same); the drafter's bookkeeping around them
+    (room, attaching paths) is glue."""
+    full = sys.modules[type(drafter.forest).__module__].ForestFull
+
     def extend_and_draft(paths, buffer, rows, begins, ends, max_tokens, min_prob=None):
-        t = time.thread_time()
-        drafter.extend_from(paths, buffer, rows, begins, ends)
-        t1 = time.thread_time()
+        drafter._make_room()
+        for _ in range(3):
+            ids = drafter._attached(paths)
+            try:
+                t = time.thread_time()
+                nodes = drafter.forest.extend_rows(drafter._cursor[ids], buffer, rows, begins, ends)
+                calls.now["extend"] += time.thread_time() - t
+                break
+            except full:
+                drafter._rotate()
+        drafter._cursor[ids] = nodes
         o = drafter.options
         floor = o.min_prob if min_prob is None else max(o.min_prob, min_prob)
-        cursor = drafter.cursors(paths)
+        t = time.thread_time()
         max_tokens = np.asarray(max_tokens, np.int32)
-        out = drafter.forest.draft_many(cursor[:, 0], cursor[:, 1], o.cross_group_weight, max_tokens,
+        out = drafter.forest.draft_many(nodes[:, 0], nodes[:, 1], o.cross_group_weight, max_tokens,
                                         int(max_tokens.max(initial=0)), floor, o.min_match, o.prior)
-        calls.now["extend"] += t1 - t
-        calls.now["draft"] += time.thread_time() - t1
+        calls.now["draft"] += time.thread_time() - t
         return out
     return extend_and_draft
 
