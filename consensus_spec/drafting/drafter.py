@@ -204,7 +204,9 @@ class ConsensusDrafter:
         self._make_room(tidy=False)  # once a step is enough: the extend call does it
         self._build(group)
         # a new path really continues the prompt: it starts after the prompt tail
-        self._cursor[path] = group.start, self._cross_start()
+        cursor = self._cursor
+        cursor[path, 0] = group.start
+        cursor[path, 1] = self._cross_start()
         return path
 
     def release(self, path: int) -> None:

@@ -191,10 +191,10 @@ class RowTracker:
     def _settle(self, step: RowUpdate, token_ids) -> None:
         """Rows no former path fits: a parked path resumes, or a new one starts."""
         for j in np.flatnonzero(step.paths < 0).tolist():
-            i, base = int(step.rows[j]), int(step.begins[j])
+            i, base = step.rows.item(j), step.begins.item(j)
             found = self._unpark(i, base)
             if found is None:
-                path = self._start_path(token_ids[i][:base])
+                path = self._start_path(token_ids[i, :base])
                 self.paths_started += 1
             else:
                 path, length = found
@@ -215,15 +215,16 @@ class RowTracker:
 
     def _park(self, path: int, key: tuple) -> None:
         bucket = self._parked.get(key)
-        if bucket is None:
+        if bucket is None:  # a new key goes in last: the most recently parked
             self._parked[key] = bucket = []
             length = key[0]
             if length not in self._parked_lengths:
                 insort(self._lengths_sorted, length)
             self._parked_lengths[length] = self._parked_lengths.get(length, 0) + 1
+        else:
+            self._parked.move_to_end(key)
         bucket.append(path)
         self._num_parked += 1
-        self._parked.move_to_end(key)
         if len(bucket) > self._max_per_key:  # identical copies: the newest suffice
             self._release(bucket.pop(0))
         while self._num_parked > self._max_parked:  # least recently parked key, oldest path
@@ -243,14 +244,14 @@ class RowTracker:
     def _unpark(self, row: int, base: int):
         """(path, length) of a parked path whose sequence is row's first
         ``base`` tokens or up to ``_MAX_MISSED`` fewer, longest first, or None."""
-        window = self._window[row]  # window[d]: hash of the row's first base - d tokens
-        k = (base, int(window[0]))
+        window = self._window  # window[row, d]: hash of the row's first base - d tokens
+        k = (base, window.item(row, 0))
         if k not in self._parked:  # it may have advanced during missed steps
             lengths = self._lengths_sorted
             lo = bisect_left(lengths, max(base - _MAX_MISSED, 1))
             below = reversed(lengths[lo:bisect_left(lengths, base, lo)])
-            k = next((c for c in ((n, int(window[base - n])) for n in below) if c in self._parked),
-                     None)
+            k = next((c for c in ((n, window.item(row, base - n)) for n in below)
+                      if c in self._parked), None)
             if k is None:
                 return None
         bucket = self._parked[k]
