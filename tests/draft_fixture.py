@@ -35,8 +35,9 @@ CONFIGS = {
     "rows32_nobudget": (32, {"cost_model": "off"}, 0, 0),
     "rows16_preempt_skip": (16, {}, 11, 13),
     # a small arena: halves rotate, live groups lose their tries, the cross trie restarts
-    "rows16_small_arena": (16, {"cost_model": "off", "max_trie_nodes": 6000, "cross_group_tokens": 800,
-                                "max_group_tokens": 3000, "prompt_tokens": 64}, 0, 0),
+    "rows16_small_arena": (16, {"cost_model": "off", "max_trie_nodes": 6000,
+                                "cross_group_tokens": 800, "max_group_tokens": 3000,
+                                "prompt_tokens": 64}, 0, 0),
 }
 
 
@@ -139,20 +140,23 @@ def record(package) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tests.draft_fixture", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--previous", required=True, help="git revision whose consensus_spec records the drafts")
+    ap = argparse.ArgumentParser(prog="python -m tests.draft_fixture",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--previous", required=True,
+                    help="git revision whose consensus_spec records the drafts")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     sys.path.insert(0, os.path.dirname(FIXTURES.rsplit(os.sep, 1)[0]))
     from evals.replay.previous import load
 
     package = load(args.previous)
-    data = {"recorded_with": package.__name__, "k": K, "configs": {n: list(c) for n, c in CONFIGS.items()},
-            "digests": record(package)}
+    data = {"recorded_with": package.__name__, "k": K,
+            "configs": {n: list(c) for n, c in CONFIGS.items()}, "digests": record(package)}
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(data, f, separators=(",", ":"))
         f.write("\n")
-    print(f"wrote {args.out}: " + ", ".join(f"{n} {len(d)} calls" for n, d in data["digests"].items()))
+    print(f"wrote {args.out}: "
+          + ", ".join(f"{n} {len(d)} calls" for n, d in data["digests"].items()))
     return 0
 
 

@@ -32,7 +32,8 @@ def test_proposer_drafts_what_the_previous_code_drafted(name, recorded):
     before = recorded[name]
     first = next((i for i, (a, b) in enumerate(zip(now, before)) if a != b), None)
     assert first is None and len(now) == len(before), (
-        f"{name}: drafts differ from call {first} on ({len(now)} calls now, {len(before)} recorded)")
+        f"{name}: drafts differ from call {first} on "
+        f"({len(now)} calls now, {len(before)} recorded)")
     assert counters["num_drafted"] > 1000 and counters["num_accepted"] > 1000
     # each configuration reaches what it is there for
     if name == "rows16_preempt_skip":

@@ -31,7 +31,8 @@ def _git(*args: str) -> bytes:
     try:
         return subprocess.run(["git", *args], cwd=REPO, check=True, capture_output=True).stdout
     except FileNotFoundError:
-        raise ValueError("git not found: the previous code is read from the repository's history") from None
+        raise ValueError("git not found: the previous code is read from the repository's "
+                         "history") from None
     except subprocess.CalledProcessError as e:
         raise ValueError(f"git {' '.join(args)} failed: {e.stderr.decode(errors='replace').strip()}"
                          " (a shallow clone may lack the commit: git fetch --unshallow)") from None

@@ -201,28 +201,37 @@ def run_one(package, problems, rows: int, args, costs, phases: bool) -> dict:
     instrument(drafter.proposer, calls)
     stats = replay(problems, drafter, "consensus", args.k, rows, clock=clock)
     cpu, wall = calls.per_row(calls.cpu), calls.per_row(calls.wall)
+    full = cpu[np.asarray(calls.rows) == rows]  # a full batch: the run's drained tail left out
     row = {"tau": stats.tau, "drafts_per_step": stats.drafts_per_step, "calls": len(cpu),
-           "cpu_median": float(np.median(cpu)), "cpu_p99": float(np.percentile(cpu, 99)),
            "cpu_mean": float(np.sum(calls.cpu) * 1e6 / np.sum(calls.rows)),
-           "wall_median": float(np.median(wall)), "wall_p99": float(np.percentile(wall, 99))}
+           **quantiles("cpu", cpu), **quantiles("wall", wall), **quantiles("full", full)}
     if phases:
         glue = np.asarray(calls.cpu) - sum(np.asarray(calls.phases[p]) for p in PHASES)
         for name, secs in [*calls.phases.items(), ("glue", glue)]:
-            per = calls.per_row(secs)
-            row[f"{name}_median"], row[f"{name}_p99"] = float(np.median(per)), float(np.percentile(per, 99))
+            row.update(quantiles(name, calls.per_row(secs)))
     return row
+
+
+def quantiles(name: str, us: np.ndarray) -> dict:
+    if not len(us):
+        return {}
+    return {f"{name}_median": float(np.median(us)), f"{name}_p99": float(np.percentile(us, 99))}
 
 
 def lockstep(codes, problems, rows: int, args, costs) -> dict:
     drafters = [make_drafter("consensus", args.k, max_len(problems, args.k), rows, args.options,
-                             clock=Clock(costs.step_ms_clamped), package=pkg) for pkg in codes.values()]
+                             clock=Clock(costs.step_ms_clamped), package=pkg)
+                for pkg in codes.values()]
     check = Lockstep(drafters)
     replay(problems, check, "consensus", args.k, rows, clock=check)
     return {"calls": check.calls, "calls_differ": check.differ}
 
 
 def spread(runs: list[dict], key: str) -> str:
-    v = sorted(r[key] for r in runs)
+    """Median of the runs' figures (range over the runs)."""
+    v = sorted(r[key] for r in runs if key in r)
+    if not v:
+        return "-"
     return f"{np.median(v):.2f} ({v[0]:.2f}–{v[-1]:.2f})" if len(v) > 1 else f"{v[0]:.2f}"
 
 
@@ -248,48 +257,72 @@ def run(args) -> dict:
                                 "split": split})
             check = lockstep(codes, problems, rows, args, costs)
             results[-1]["lockstep"] = results[-2]["lockstep"] = check
-            print(f"  {name} {rows} rows: current {spread(timed['current'], 'cpu_median')} µs, previous "
-                  f"{spread(timed['previous'], 'cpu_median')} µs per row-step (CPU, median); drafts "
-                  f"differ in {check['calls_differ']} of {check['calls']} calls", flush=True)
+            print(f"  {name} {rows} rows: current {spread(timed['current'], 'cpu_median')} µs, "
+                  f"previous {spread(timed['previous'], 'cpu_median')} µs per row-step (CPU, "
+                  f"median); drafts differ in {check['calls_differ']} of {check['calls']} calls",
+                  file=sys.stderr, flush=True)
     return {"results": results, "previous": codes["previous"].__name__}
 
 
 def markdown(data: dict, reference: list[float]) -> str:
-    lines = ["propose() per row-step, µs: median (range over repeats) of each run's median and p99 "
-             f"over calls; current code vs {data['previous']}. Split: one instrumented run, median / p99 "
-             "of each phase per row-step.", "",
-             "| traces | rows | code | CPU median | CPU p99 | wall median | wall p99 | τ | row tracking "
-             "| trie extension | drafting | budget | glue | same drafts |",
-             "|" + "---|" * 14]
-    for r in data["results"]:
-        s = r["split"]
-        phases = " | ".join(f"{s[p + '_median']:.2f} / {s[p + '_p99']:.1f}" for p in (*PHASES, "glue"))
-        lock = r["lockstep"]
+    results = data["results"]
+    lines = [f"propose() per row-step, CPU µs unless said: current code vs {data['previous']}; "
+             "each figure the median over a run's calls (p99: its 99th percentile), then the "
+             "median (range) over the repeats. Full batch: calls with every row in use (a run's "
+             "tail, where the batch drains, left out).", "",
+             "| traces | rows | code | median | p99 | full batch median | full batch p99 "
+             "| wall median | wall p99 | τ | same drafts |", "|" + "---|" * 11]
+    for r in results:
+        runs, lock = r["runs"], r["lockstep"]
         same = "yes" if not lock["calls_differ"] else f"NO ({lock['calls_differ']} calls)"
-        lines.append(f"| {r['traces'].split('_')[0]} | {r['rows']} | {r['code']} | {spread(r['runs'], 'cpu_median')} "
-                     f"| {spread(r['runs'], 'cpu_p99')} | {spread(r['runs'], 'wall_median')} | "
-                     f"{spread(r['runs'], 'wall_p99')} | {spread(r['runs'], 'tau')} | {phases} | {same} |")
-    by = {(r["traces"], r["rows"], r["code"]): r for r in data["results"]}
-    lines += ["", "Previous / current, CPU median per row-step: " + ", ".join(
-        f"{t.split('_')[0]} {b} rows {np.median([x['cpu_median'] for x in by[t, b, 'previous']['runs']]) / np.median([x['cpu_median'] for x in by[t, b, 'current']['runs']]):.2f}x"
+        cells = [spread(runs, k) for k in ("cpu_median", "cpu_p99", "full_median", "full_p99",
+                                           "wall_median", "wall_p99", "tau")]
+        lines.append(f"| {short(r['traces'])} | {r['rows']} | {r['code']} | " + " | ".join(cells)
+                     + f" | {same} ({lock['calls']} calls) |")
+    lines += ["", "Split, one instrumented run of each: median / p99 per row-step of each phase "
+              "(the timers' cost is in glue; the instrumented total beside).", "",
+              "| traces | rows | code | " + " | ".join(NAMES[p] for p in (*PHASES, "glue"))
+              + " | instrumented total |", "|" + "---|" * 9]
+    for r in results:
+        s = r["split"]
+        lines.append(f"| {short(r['traces'])} | {r['rows']} | {r['code']} | "
+                     + " | ".join(f"{s[p + '_median']:.2f} / {s[p + '_p99']:.1f}"
+                                  for p in (*PHASES, "glue"))
+                     + f" | {s['cpu_median']:.2f} / {s['cpu_p99']:.1f} |")
+    by = {(r["traces"], r["rows"], r["code"]): r["runs"] for r in results}
+    median = lambda runs: float(np.median([x["cpu_median"] for x in runs]))  # noqa: E731
+    lines += ["", "Previous / current, median per row-step: " + ", ".join(
+        f"{short(t)} {b} rows {median(by[t, b, 'previous']) / median(by[t, b, 'current']):.2f}x"
         for t, b, c in by if c == "current")]
     lines.append("\nCPU speed: a fixed pure-Python loop (5M additions) took "
                  + " / ".join(f"{x:.2f}" for x in reference) + " s of CPU time before / after.")
     return "\n".join(lines)
 
 
+NAMES = {"rows": "row tracking", "extend": "trie extension", "draft": "drafting",
+         "budget": "budget", "glue": "glue"}
+
+
+def short(traces: str) -> str:
+    return traces.split("_")[0]
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m evals propose-time", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m evals propose-time",
+                                 description=__doc__.split("\n\n")[0])
     add_trace_args(ap)
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 64, 128, 256], help="batch sizes")
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
-    ap.add_argument("--repeats", type=int, default=3, help="timed runs of each code per set and batch size")
-    ap.add_argument("--previous", default=PREVIOUS, help="git revision of the code compared against")
-    ap.add_argument("--costs", default=DEFAULT_COSTS, help="step-cost table the virtual clock runs on")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed runs of each code per set and batch size")
+    ap.add_argument("--previous", default=PREVIOUS,
+                    help="git revision of the code compared against")
+    ap.add_argument("--costs", default=DEFAULT_COSTS,
+                    help="step-cost table the virtual clock runs on")
     add_option_arg(ap)
     ap.add_argument("--out", default="results/propose_time", help="output prefix (.json and .md)")
     args = ap.parse_args(argv)
-    if min(args.rows) < 1 or args.k < 1 or args.repeats < 1 or (args.limit is not None and args.limit < 1):
+    if min(args.rows) < 1 or args.k < 1 or args.repeats < 1 or (args.limit or 1) < 1:
         ap.error("--rows, --k, --repeats and --limit must be >= 1")
     args.options = parse_options(args.option)
     return args
