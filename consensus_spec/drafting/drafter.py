@@ -28,7 +28,11 @@ The bound on each structure:
   (one per half and a spare; 16 B a slot, at least half as many slots
   as a half has nodes, each): about 40 B a node, allocated once and
   committed by the OS as first written; one entry per trie it holds in
-  ``_owners``.
+  ``_owners``;
+- one step's drafts and scratch (the forest's buffers, reused by every
+  :meth:`~ConsensusDrafter.extend_and_draft`): the most rows and the
+  longest draft seen, each rounded up to a power of two (12 B a row and
+  draft token, 36 B more a row).
 """
 
 from __future__ import annotations
