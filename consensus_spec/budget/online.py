@@ -213,6 +213,16 @@ def _table(state, b, base, inc, batch, shade, drafter, out):
 
 
 @kernel
+def _first_token_cost(state, b, inc, shade, batch):
+    """Bucket b's cost of one draft token per step relative to the step
+    without drafts (the drafter's time in both), its draft-token cost
+    scaled by ``1 + shade``; ``inc``: the prior's increments at ``batch``."""
+    a, c1, c2, drafter = state[b, THETA], state[b, THETA + 1], state[b, THETA + 2], state[b, DRAFTER]
+    extra = max(1.0 + shade, 0.0) * max(c1 / batch + c2 * inc[1], 0.0)
+    return extra / (max(a, 1e-3) + drafter)
+
+
+@kernel
 def _contrast_sd(state, b, v0, v1, v2):
     """Posterior standard deviation of (v0, v1, v2) . theta in bucket b."""
     prec = np.empty((3, 3))
@@ -352,15 +362,14 @@ class OnlineStepCosts:
         s[EXPLORED_AT] = s[OBSERVED]
         return min(relative, 0.5)  # one sd: a contrast cheap enough for the budget's loss cap
 
-    def first_token_cost(self, batch: int, shade: float = 0.0) -> float:
-        """The cost of one draft token relative to the step without drafts
-        (drafter included): what the budget's floor needs, without a table."""
-        b, state = self._bucket(batch), self._state
-        a, c1, c2 = state.item(b, THETA), state.item(b, THETA + 1), state.item(b, THETA + 2)
-        drafter = state.item(b, DRAFTER)
-        inc1 = self._prior_at(batch, 1)[1].item(1)
-        extra = max(1.0 + shade, 0.0) * max(c1 / batch + c2 * inc1, 0.0)
-        return extra / (max(a, 1e-3) + drafter)
+    def fit_inputs(self, batch: int, tokens: int) -> tuple:
+        """What a kernel needs to build :meth:`step_ms`'s table for up to
+        ``tokens`` draft tokens itself (``_table``) or the cost of a first
+        draft token (``_first_token_cost``): the state, the bucket of
+        ``batch``, the prior's one-token step and its increments."""
+        b = self._bucket(batch)
+        base, inc = self._prior_at(batch, tokens)
+        return self._state, b, base, inc
 
     def summary(self, batch: int) -> dict:
         """What was learned at this batch size: ms per step with 0, 1 and 2
