@@ -217,8 +217,9 @@ def _first_token_cost(state, b, inc, shade, batch):
     """Bucket b's cost of one draft token per step relative to the step
     without drafts (the drafter's time in both), its draft-token cost
     scaled by ``1 + shade``; ``inc``: the prior's increments at ``batch``."""
-    a, c1, c2, drafter = state[b, THETA], state[b, THETA + 1], state[b, THETA + 2], state[b, DRAFTER]
+    a, c1, c2 = state[b, THETA], state[b, THETA + 1], state[b, THETA + 2]
     extra = max(1.0 + shade, 0.0) * max(c1 / batch + c2 * inc[1], 0.0)
+    drafter = state[b, DRAFTER]
     return extra / (max(a, 1e-3) + drafter)
 
 

@@ -106,7 +106,8 @@ def _most_kept(lengths, k):
 def _floor_on_fit(state, b, inc, shade, batch, hits, trials):
     """:meth:`DraftBudget.floor` with learned costs: the lowest estimate
     whose calibrated rate beats the first draft token's cost."""
-    return _lowest_estimate_above(hits, trials, batch * _first_token_cost(state, b, inc, shade, batch))
+    cost = _first_token_cost(state, b, inc, shade, batch)
+    return _lowest_estimate_above(hits, trials, batch * cost)
 
 
 @kernel
