@@ -1,7 +1,8 @@
 """The consensus proposer's drafts on the recorded fixture, one digest per
 propose() call: what ``tests/test_drafts_unchanged.py`` holds the current
 code to. Recorded with the code before issue 43 (the per-step host time
-work), imported beside this one from git:
+work), imported beside this one from git
+(``evals/measure/previous.py``):
 
     python -m tests.draft_fixture --previous 287c905 --out tests/fixtures/drafts_287c905.json
 
@@ -147,7 +148,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     sys.path.insert(0, os.path.dirname(FIXTURES.rsplit(os.sep, 1)[0]))
-    from evals.replay.previous import load
+    from evals.measure.previous import load
 
     package = load(args.previous)
     data = {"recorded_with": package.__name__, "k": K,

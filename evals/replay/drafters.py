@@ -189,7 +189,7 @@ def make_drafter(method: str, k: int, max_model_len: int, max_num_seqs: int,
     ``model``: the machine's name where consensus remembers its step costs
     (:class:`evals.replay.projection.StartupCosts`). ``package``: the
     ``consensus_spec`` module whose proposer consensus runs (another
-    commit's: :mod:`evals.replay.previous`).
+    commit's: :mod:`evals.measure.previous`).
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")

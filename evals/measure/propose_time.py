@@ -9,7 +9,7 @@ microsecond it takes is added to every step. Each trace set is replayed
 through the consensus proposer as ``python -m evals replay`` replays it
 (online step costs, on the H200 table's virtual clock), ``--repeats`` times
 for the current code and for the code at ``--previous`` (imported beside
-it: ``evals/replay/previous.py``), alternating which goes first. Per
+it: ``evals/measure/previous.py``), alternating which goes first. Per
 propose() call: thread CPU time and wall time per row-step; each figure is
 the median (or p99) over the calls of a run, and the range over repeats.
 
@@ -38,12 +38,12 @@ import time
 import numpy as np
 
 from ..options import add_option_arg, add_trace_args, fail, parse_options, trace_sets, write_results
+from ..replay.drafters import make_drafter
+from ..replay.engine import VirtualClock, replay
+from ..replay.projection import DEFAULT_COSTS, StepCosts
+from ..replay.replay import DEFAULT_TRACES, cpu_reference_s
 from ..traces import TraceError, load_problems, load_tokenizer, max_len
-from .drafters import make_drafter
-from .engine import VirtualClock, replay
 from .previous import PREVIOUS, load
-from .projection import DEFAULT_COSTS, StepCosts
-from .replay import DEFAULT_TRACES, cpu_reference_s
 
 PHASES = ("rows", "extend", "draft", "budget")
 BUDGET_CALLS = ("floor", "__call__", "observe", "observe_step", "observe_throughput")

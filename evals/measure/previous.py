@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tarfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo
 # main before issue 43 (the drafter's per-step host time): what `python -m evals
 # propose-time` compares against by default
 PREVIOUS = "287c905"
