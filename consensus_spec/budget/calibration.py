@@ -33,6 +33,12 @@ def _first_bin_above(hits, trials, rate):
 
 
 @kernel
+def _lowest_estimate_above(hits, trials, rate):
+    """An estimate below which every bin's observed rate is at most ``rate``."""
+    return max(0.0, (_first_bin_above(hits, trials, rate) - 1e-6) / hits.shape[0])
+
+
+@kernel
 def _calibrated(probs, rate, out):
     for i in range(probs.shape[0]):
         low = 1.0
@@ -83,7 +89,12 @@ class AcceptanceCalibrator:
 
     def lowest_estimate_above(self, rate: float) -> float:
         """An estimate below which every bin's observed rate is at most ``rate``."""
-        return max(0.0, (_first_bin_above(self._hits, self._trials, rate) - 1e-6) / self.bins)
+        return _lowest_estimate_above(self._hits, self._trials, rate)
+
+    def counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """Accepted and judged draft tokens per bin (decayed, prior included):
+        ``rate()`` is their ratio. The arrays themselves, for kernels."""
+        return self._hits, self._trials
 
     def __call__(self, probs: np.ndarray) -> np.ndarray:
         """Calibrated (R, k) chances for estimated ones (last axis along the draft)."""

@@ -35,7 +35,13 @@ BUCKETS_PER_OCTAVE = 2
 
 
 def _bucket(batch: int) -> int:
+    if 0 <= batch < len(_BUCKETS):
+        return _BUCKETS[batch]
     return int(round(BUCKETS_PER_OCTAVE * math.log2(max(batch, 1))))
+
+
+_BUCKETS: list[int] = []
+_BUCKETS += [_bucket(n) for n in range(4097)]  # looked up every step
 
 
 class _Bucket:
@@ -72,9 +78,10 @@ class DraftingGuard:
 
     def drafts(self, batch: int) -> bool:
         """Whether the step about to be drafted for should carry drafts."""
-        b = self._buckets.get(_bucket(batch))
+        key = _bucket(batch)
+        b = self._buckets.get(key)
         if b is None:
-            b = self._buckets[_bucket(batch)] = _Bucket()
+            b = self._buckets[key] = _Bucket()
         if b.left == 0:
             b.countdown -= 1
             if b.countdown <= 0:

@@ -142,16 +142,16 @@ class MeasuredStepCosts(OnlineStepCosts):
         ok = super().observe(batch, drafted, step_ms, drafter_ms)
         if batch >= 1:
             b = bucket_of(batch)
-            s = self._state[b]
+            state = self._state
             if probe and not ok:
                 # a probe far faster than the fit says (no stall makes a step faster):
                 # drafts cost less than it believes; it is the evidence, so learn from it
                 self._disagree(b)
-                s[REJECTS] = online.MAX_REJECTS
+                state[b, REJECTS] = online.MAX_REJECTS
                 ok = super().observe(batch, drafted, step_ms, drafter_ms)
-            elif s[MEASURED] == SETTLED:
+            elif state.item(b, MEASURED) == SETTLED:
                 self._checks[b] += 1
-                if s[REJECTS] >= REJECTS_DISAGREE or (
+                if state.item(b, REJECTS) >= REJECTS_DISAGREE or (
                         self._checks[b] % CHECK_EVERY == 0 and not self._agrees(batch, b)):
                     self._disagree(b)
         return ok
@@ -187,9 +187,9 @@ class MeasuredStepCosts(OnlineStepCosts):
 
     def _probe(self, batch: int, b: int) -> bool:
         """Whether this decision in bucket ``b`` is a probe step (see the module's doc)."""
-        s = self._state[b]
         if self._probe_left[b] == 0:
-            if s[COUNT] < MIN_EFFECTIVE or s[DRAFTED] * batch >= IDLE_DRAFTS:
+            state = self._state
+            if state.item(b, COUNT) < MIN_EFFECTIVE or state.item(b, DRAFTED) * batch >= IDLE_DRAFTS:
                 self._probe_countdown[b] = self._probe_wait[b]  # it drafts: nothing to check
                 return False
             self._probe_countdown[b] -= 1
@@ -205,19 +205,20 @@ class MeasuredStepCosts(OnlineStepCosts):
 
     def explore_shade(self, batch: int) -> float:
         b = self._bucket(batch)
-        s = self._state[b]
+        state = self._state
         self.probing = self._probe(batch, b)
         if self.probing:
             self._steps[b] += 1
             self.decisions += 1
             return PROBE_SHADE
-        if s[MEASURED] == SETTLED:  # the table holds: nothing to learn by exploring
+        if state.item(b, MEASURED) == SETTLED:  # the table holds: nothing to learn by exploring
             self._steps[b] += 1
             self.decisions += 1
             return 0.0
         shade = super().explore_shade(batch)
-        if s[MEASURED] == RELEARNING and shade == 0.0 and self._steps[b] % EXPLORE_EVERY == 1 \
-                and s[OBSERVED] - self._relearn_from[b] >= 2 * MIN_EFFECTIVE:
+        if state.item(b, MEASURED) == RELEARNING and shade == 0.0 \
+                and self._steps[b] % EXPLORE_EVERY == 1 \
+                and state.item(b, OBSERVED) - self._relearn_from[b] >= 2 * MIN_EFFECTIVE:
             relative, of_step = self.uncertainty(batch)
             if relative <= EXPLORE_ABOVE or of_step <= EXPLORE_STEP_SHARE:  # clear again
                 self._settle(b)

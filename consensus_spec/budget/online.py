@@ -213,6 +213,17 @@ def _table(state, b, base, inc, batch, shade, drafter, out):
 
 
 @kernel
+def _first_token_cost(state, b, inc, shade, batch):
+    """Bucket b's cost of one draft token per step relative to the step
+    without drafts (the drafter's time in both), its draft-token cost
+    scaled by ``1 + shade``; ``inc``: the prior's increments at ``batch``."""
+    a, c1, c2 = state[b, THETA], state[b, THETA + 1], state[b, THETA + 2]
+    extra = max(1.0 + shade, 0.0) * max(c1 / batch + c2 * inc[1], 0.0)
+    drafter = state[b, DRAFTER]
+    return extra / (max(a, 1e-3) + drafter)
+
+
+@kernel
 def _contrast_sd(state, b, v0, v1, v2):
     """Posterior standard deviation of (v0, v1, v2) . theta in bucket b."""
     prec = np.empty((3, 3))
@@ -344,7 +355,7 @@ class OnlineStepCosts:
         if self._steps[b] % EXPLORE_EVERY != 1:
             return 0.0
         s = self._state[b]
-        if s[OBSERVED] == s[EXPLORED_AT]:
+        if s.item(OBSERVED) == s.item(EXPLORED_AT):
             return 0.0
         relative, of_step = self.uncertainty(batch)
         if relative <= EXPLORE_ABOVE or of_step <= EXPLORE_STEP_SHARE:
@@ -352,13 +363,14 @@ class OnlineStepCosts:
         s[EXPLORED_AT] = s[OBSERVED]
         return min(relative, 0.5)  # one sd: a contrast cheap enough for the budget's loss cap
 
-    def first_token_cost(self, batch: int, shade: float = 0.0) -> float:
-        """The cost of one draft token relative to the step without drafts
-        (drafter included): what the budget's floor needs, without a table."""
-        a, c1, c2, drafter = self._state[self._bucket(batch), [THETA, THETA + 1, THETA + 2, DRAFTER]].tolist()
-        inc1 = float(self._prior_at(batch, 1)[1][1])
-        extra = max(1.0 + shade, 0.0) * max(c1 / batch + c2 * inc1, 0.0)
-        return extra / (max(a, 1e-3) + drafter)
+    def fit_inputs(self, batch: int, tokens: int) -> tuple:
+        """What a kernel needs to build :meth:`step_ms`'s table for up to
+        ``tokens`` draft tokens itself (``_table``) or the cost of a first
+        draft token (``_first_token_cost``): the state, the bucket of
+        ``batch``, the prior's one-token step and its increments."""
+        b = self._bucket(batch)
+        base, inc = self._prior_at(batch, tokens)
+        return self._state, b, base, inc
 
     def summary(self, batch: int) -> dict:
         """What was learned at this batch size: ms per step with 0, 1 and 2

@@ -8,13 +8,14 @@ from collections import OrderedDict
 import numpy as np
 
 from ..jit import Kernels
-from . import calibration
-from .calibration import AcceptanceCalibrator, _calibrate
+from . import calibration, online
+from .calibration import AcceptanceCalibrator, _calibrate, _lowest_estimate_above  # noqa: F401
 from .cost_models import StepCostModel
 from .guard import DraftingGuard
 from .measured import MeasuredStepCosts
+from .online import _first_token_cost, _table  # noqa: F401  (bound compiled)
 
-kernel = Kernels(globals(), uses=(calibration.kernel,))
+kernel = Kernels(globals(), uses=(calibration.kernel, online.kernel))
 
 
 @kernel
@@ -92,6 +93,41 @@ def _value(probs, chosen, batch, step_ms, rate):
     return gain / step_ms[min(kept, step_ms.shape[0] - 1)]
 
 
+@kernel
+def _most_kept(lengths, k):
+    """The most draft tokens a choice can keep: the sum of min(length, k)."""
+    n = 0
+    for i in range(lengths.shape[0]):
+        n += min(lengths[i], k)
+    return n
+
+
+@kernel
+def _floor_on_fit(state, b, inc, shade, batch, hits, trials):
+    """:meth:`DraftBudget.floor` with learned costs: the lowest estimate
+    whose calibrated rate beats the first draft token's cost."""
+    cost = _first_token_cost(state, b, inc, shade, batch)
+    return _lowest_estimate_above(hits, trials, batch * cost)
+
+
+@kernel
+def _choose_on_fit(probs, lengths, batch, state, b, base, inc, hits, trials, out, table, rate):
+    """:func:`_choose` on the step times a fit gives (``_table``, the
+    drafter's time in, no shade) with the rates ``hits / trials``: an
+    ordinary step of :meth:`DraftBudget.__call__` in one call (``table``
+    and ``rate``: scratch). Returns the most tokens it could keep (< 0:
+    nothing done)."""
+    tokens = _most_kept(lengths, probs.shape[1])
+    if tokens < 0 or tokens >= table.shape[0] or tokens >= inc.shape[0]:
+        return -1
+    for i in range(hits.shape[0]):
+        rate[i] = hits[i] / trials[i]
+    step_ms = table[:tokens + 1]
+    _table(state, b, base, inc, batch, 0.0, True, step_ms)
+    _choose(probs, lengths, batch, step_ms, rate, out)
+    return tokens
+
+
 EXPLORE_LOSS = 0.01  # an exploring step may cost at most this share of its expected yield
 
 _NO_CALIBRATION = np.zeros(0)
@@ -153,6 +189,8 @@ class DraftBudget:
         self._step_ms: OrderedDict[int, np.ndarray] = OrderedDict()  # batch -> T(batch, 1 + m/batch)
         self._explore = False  # this step explores (see floor)
         self._shade = 0.0
+        self._table = np.empty(0)  # scratch of ordinary steps (_choose_on_fit)
+        self._rate = np.empty(self.calibrator.bins)
 
     def step_ms(self, batch: int, kept: int) -> np.ndarray:
         """Step times with 0..kept draft tokens in a batch of ``batch`` rows."""
@@ -181,11 +219,11 @@ class DraftBudget:
         if self.costs is None:
             t = self.step_ms(batch, 1)
             cost = (t[1] - t[0]) / t[0]
-        else:
-            self._shade = self.costs.explore_shade(batch)
-            self._explore = self._shade > 0.0
-            cost = self.costs.first_token_cost(batch, -self._shade)
-        return self.calibrator.lowest_estimate_above(batch * cost)
+            return self.calibrator.lowest_estimate_above(batch * cost)
+        self._shade = self.costs.explore_shade(batch)
+        self._explore = self._shade > 0.0
+        state, b, _, inc = self.costs.fit_inputs(batch, 1)
+        return _floor_on_fit(state, b, inc, -self._shade, batch, *self.calibrator.counts())
 
     def __call__(self, probs: np.ndarray, lengths: np.ndarray, batch: int) -> np.ndarray:
         """:func:`choose_lengths` with this budget's model and calibration;
@@ -194,8 +232,16 @@ class DraftBudget:
         if not self._draft:
             out[:] = 0
             return out
+        if self.costs is not None and not self._explore and probs.ndim == 2:  # an ordinary step
+            most = len(lengths) * probs.shape[1]
+            state, b, base, inc = self.costs.fit_inputs(batch, most)
+            if len(self._table) <= most:
+                self._table = np.empty(2 * most + 1)
+            if _choose_on_fit(probs, lengths, batch, state, b, base, inc, *self.calibrator.counts(),
+                              out, self._table, self._rate) >= 0:
+                return out
         rate = self.calibrator.rate()
-        tokens = int(np.minimum(lengths, probs.shape[1] if probs.ndim == 2 else 0).sum())
+        tokens = int(_most_kept(lengths, probs.shape[1] if probs.ndim == 2 else 0))
         _choose(probs, lengths, batch, self.step_ms(batch, tokens), rate, out)
         if self._explore:
             self._explore = False

@@ -28,7 +28,11 @@ The bound on each structure:
   (one per half and a spare; 16 B a slot, at least half as many slots
   as a half has nodes, each): about 40 B a node, allocated once and
   committed by the OS as first written; one entry per trie it holds in
-  ``_owners``.
+  ``_owners``;
+- one step's drafts and scratch (the forest's buffers, reused by every
+  :meth:`~ConsensusDrafter.extend_and_draft`): the most rows and the
+  longest draft seen, each rounded up to a power of two (12 B a row and
+  draft token, 36 B more a row).
 """
 
 from __future__ import annotations
@@ -204,7 +208,9 @@ class ConsensusDrafter:
         self._make_room(tidy=False)  # once a step is enough: the extend call does it
         self._build(group)
         # a new path really continues the prompt: it starts after the prompt tail
-        self._cursor[path] = group.start, self._cross_start()
+        cursor = self._cursor
+        cursor[path, 0] = group.start
+        cursor[path, 1] = self._cross_start()
         return path
 
     def release(self, path: int) -> None:
@@ -259,7 +265,8 @@ class ConsensusDrafter:
 
     def extend_and_draft(self, paths, buffer, rows, begins, ends, max_tokens, min_prob=None):
         """:meth:`extend_from` then :meth:`draft`, in one compiled call;
-        ``min_prob`` raises the options' one for this call."""
+        ``min_prob`` raises the options' one for this call. The arrays
+        returned are the forest's buffers: valid until the next call."""
         o = self.options
         self._make_room()
         floor = o.min_prob if min_prob is None else max(o.min_prob, min_prob)
@@ -288,9 +295,10 @@ class ConsensusDrafter:
         over budget; checked before each call, so a call never finds the
         arena full short of one bigger than a quarter of a half."""
         f = self.forest
+        room = f.room(ROTATE_AT, OLD_FULL_AT)
         if tidy:
-            f.tidy()
-        if f.fill(f.young) > ROTATE_AT or f.fill(f.old) > OLD_FULL_AT:
+            f.tidy(young_half_full=bool(room & 2))
+        if room & 1:
             self._rotate()
         elif f.tokens_appended - self._cross_since > self.options.cross_group_tokens:
             self._new_cross()  # the old trie stays, as garbage, until its half is dropped

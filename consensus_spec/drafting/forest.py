@@ -90,6 +90,7 @@ class SuffixForest:
         self._state = np.array([[0, 0], [self.half, 0]], np.int64)  # per half: next id, edges
         self.young = 0  # the half new tries start in
         self.tokens_appended = 0  # per sequence, by every call, ever
+        self._grow_drafts(64, 8)  # extend_and_draft's outputs and scratch
 
     def _new_table(self) -> np.ndarray:
         return _anonymous((self._slots, 2), np.int64)
@@ -133,12 +134,13 @@ class SuffixForest:
         self.young = h
         return h
 
-    def tidy(self, slots: int = TIDY_SLOTS) -> None:
+    def tidy(self, slots: int = TIDY_SLOTS, young_half_full: bool | None = None) -> None:
         """Bounded work a step, off the hot path: clear the next ``slots`` of
         the dropped half's edge table, or, once the young half is half full
         (a rotation is coming), write the next ones of a fresh spare table,
         so its pages are committed before it is used, not one page fault per
-        random insert, and not before they are needed."""
+        random insert, and not before they are needed. ``young_half_full``:
+        whether the young half is past half full, if the caller knows."""
         if self._dirty is not None:
             start = self._spare_done
             end = min(start + slots, self._slots)
@@ -146,7 +148,8 @@ class SuffixForest:
             self._spare_done = end
             if end == self._slots:
                 self._spare, self._dirty, self._spare_done = self._dirty, None, self._slots
-        elif self._spare_done < self._slots and self.fill(self.young) > 0.5:
+        elif self._spare_done < self._slots and (
+                self.fill(self.young) > 0.5 if young_half_full is None else young_half_full):
             start = self._spare_done
             pages = max(1, slots * 16 // 4096)  # as many pages as clearing writes, one slot each
             end = min(start + pages * PAGE_SLOTS, self._slots)
@@ -215,17 +218,57 @@ class SuffixForest:
 
         Returns ``(tokens, probs, lengths)`` as :meth:`draft_many`, or None,
         changing nothing, if a selected cursor is ``UNSET`` (or A is -1).
+        The arrays are views into buffers this forest reuses: valid until
+        its next call of this method (nothing is allocated per call).
         """
-        ids, rows, begins, ends, max_tokens = (
-            np.asarray(a, np.int64) for a in (ids, rows, begins, ends, max_tokens))
-        if not len(ids) == len(rows) == len(begins) == len(ends) == len(max_tokens):
+        ids = np.asarray(ids, np.int64)
+        rows = np.asarray(rows, np.int64)
+        begins = np.asarray(begins, np.int64)
+        ends = np.asarray(ends, np.int64)
+        max_tokens = np.asarray(max_tokens, np.int64)
+        m = len(ids)
+        if not m == len(rows) == len(begins) == len(ends) == len(max_tokens):
             raise ValueError("ids, rows, begins, ends and max_tokens must have equal length")
         if cursors.ndim != 2 or cursors.shape[1] != 2 or cursors.dtype != np.int64:
             raise ValueError("cursors must be a (P, 2) int64 array")
-        args = (cursors, ids, _as_buffer(buffer), rows, begins, ends, max_tokens,
-                float(weight_b), float(min_prob), int(min_match), float(prior))
-        out, err = self._run(K._extend_draft, args)
-        return None if err == K._STALE else out
+        buffer = _as_buffer(buffer)
+        if m > len(self._lens):
+            self._grow_drafts(m, len(self._toks) // len(self._lens))
+        while True:
+            t0, t1 = self._tables
+            err, k, total, full = K._extend_draft(
+                self._nodes, t0, t1, self._shift, self.half, self._state, self.max_depth, cursors,
+                ids, buffer, rows, begins, ends, max_tokens, float(weight_b), float(min_prob),
+                int(min_match), float(prior), self._starts, self._memo, self._toks, self._probs,
+                self._lens)
+            if err != K._SMALL:
+                break
+            self._grow_drafts(m, k)
+        self._raise(err, total, full)
+        if err == K._STALE:
+            return None
+        return (self._toks[:m * k].reshape(m, k), self._probs[:m * k].reshape(m, k),
+                self._lens[:m])
+
+    def _grow_drafts(self, rows: int, width: int) -> None:
+        """Draft buffers for at least ``rows`` rows of ``width`` tokens
+        (powers of two: they grow a few times in an engine's life)."""
+        r, w = 64, 8
+        while r < rows:
+            r *= 2
+        while w < width:
+            w *= 2
+        self._toks = np.zeros(r * w, np.int32)
+        self._probs = np.zeros(r * w, np.float64)
+        self._lens = np.zeros(r, np.int32)
+        self._starts = np.zeros((r, 2), np.int64)
+        self._memo = np.zeros(2 * r, np.int64)
+
+    def room(self, rotate_at: float, old_full_at: float) -> int:
+        """:meth:`fill` of both halves in one call: bit 1 set if the young
+        half is more than ``rotate_at`` full or the old one more than
+        ``old_full_at``; bit 2 if the young one is more than half full."""
+        return K._room(self._state, self.half, self._slots, self.young, rotate_at, old_full_at)
 
     def _run(self, extend_kernel, args):
         """Run a kernel that extends sequences; returns (its outputs, 0 or
@@ -233,6 +276,11 @@ class SuffixForest:
         t0, t1 = self._tables
         *out, err, total, full = extend_kernel(self._nodes, t0, t1, self._shift, self.half,
                                                self._state, self.max_depth, *args)
+        self._raise(err, total, full)
+        return (out[0] if len(out) == 1 else tuple(out)), err
+
+    def _raise(self, err: int, total: int, full: int) -> None:
+        """Raise on bad input or a full half; count the tokens appended."""
         if err == K._FULL:
             raise ForestFull(int(full))
         if err == K._BAD_TOKEN:
@@ -241,7 +289,6 @@ class SuffixForest:
             raise ValueError("node or sequence ids, rows or token ranges out of range")
         if not err:
             self.tokens_appended += total
-        return (out[0] if len(out) == 1 else tuple(out)), err
 
     def draft_many(self, nodes_a, nodes_b, weight_b: float, max_tokens, k: int,
                    min_prob: float, min_match: int, prior: float):

@@ -14,7 +14,7 @@ _TOKEN_BITS = 21
 _TOKEN_LIMIT = 1 << _TOKEN_BITS
 TOK, DEP, CNT, TOT, BEST, LINK, FIRST = range(7)  # columns of the node array
 _FIB = np.uint64(0x9E3779B97F4A7C15)      # Fibonacci hashing multiplier
-_BAD_TOKEN, _BAD_INPUT, _STALE, _FULL = -1, -2, -3, -4
+_BAD_TOKEN, _BAD_INPUT, _STALE, _FULL, _SMALL = -1, -2, -3, -4, -5
 UNSET = -2  # a cursor that points into no trie yet (see extend_and_draft)
 
 
@@ -143,31 +143,48 @@ def _check_ranges(state, half, starts, buf, rows, begins, ends):
 
 
 @kernel
-def _extend(nodes, t0, t1, shift, half, state, max_depth, starts, buf, rows, begins, ends):
+def _extend_into(nodes, t0, t1, shift, half, state, max_depth, starts, buf, rows, begins, ends,
+                 out):
     """Append ``buf[rows[i], begins[i]:ends[i]]`` to each sequence ``starts[i, s]``
-    (-1: none). Returns (new nodes, error or 0, tokens per sequence, half
-    lacking room or -1); on ``_FULL`` nothing changed."""
-    out = starts.copy()
+    (-1: none), its new node into ``out[i, s]`` (``out`` may be ``starts``).
+    Returns (error or 0, tokens per sequence, half lacking room or -1); on
+    an error nothing changed."""
     err = _check_ranges(state, half, starts, buf, rows, begins, ends)
     if err:
-        return out, err, 0, -1
+        return err, 0, -1
     total = 0
-    need = np.zeros(2, np.int64)  # worst case: max_depth new nodes (and edges) a token
+    need0 = need1 = 0  # worst case: max_depth new nodes (and edges) a token
     for i in range(starts.shape[0]):
         total += ends[i] - begins[i]
         for s in range(starts.shape[1]):
             if starts[i, s] >= 0:
-                need[0 if starts[i, s] < half else 1] += (ends[i] - begins[i]) * max_depth
+                if starts[i, s] < half:
+                    need0 += (ends[i] - begins[i]) * max_depth
+                else:
+                    need1 += (ends[i] - begins[i]) * max_depth
     for h in range(2):
-        if (state[h, 0] + need[h] > (h + 1) * half
-                or 2 * (state[h, 1] + need[h]) > t0.shape[0]):
-            return out, _FULL, total, h
+        need = need0 if h == 0 else need1
+        if (state[h, 0] + need > (h + 1) * half
+                or 2 * (state[h, 1] + need) > t0.shape[0]):
+            return _FULL, total, h
     for i in range(starts.shape[0]):
         for s in range(starts.shape[1]):
             if starts[i, s] >= 0:
                 out[i, s] = _append(nodes, t0, t1, shift, half, state, max_depth, starts[i, s],
                                     buf, rows[i], begins[i], ends[i])
-    return out, 0, total, -1
+            else:
+                out[i, s] = starts[i, s]
+    return 0, total, -1
+
+
+@kernel
+def _extend(nodes, t0, t1, shift, half, state, max_depth, starts, buf, rows, begins, ends):
+    """:func:`_extend_into` into a new array: (new nodes, error or 0, tokens
+    per sequence, half lacking room or -1)."""
+    out = starts.copy()
+    err, total, full = _extend_into(nodes, t0, t1, shift, half, state, max_depth, starts, buf,
+                                    rows, begins, ends, out)
+    return out, err, total, full
 
 
 @kernel
@@ -212,6 +229,41 @@ def _draft_row(nodes, t0, t1, shift, half, max_depth, a, b, weight_b, max_tokens
 
 
 @kernel
+def _draft_into(nodes, t0, t1, shift, half, max_depth, start, max_tokens, weight_b, min_prob,
+                min_match, prior, memo, tok, prob, lens):
+    """Row i's joint greedy draft from nodes ``start[i]`` (A, B), at most
+    ``max_tokens[i]`` tokens and ``tok``'s width, into ``tok[i]`` and
+    ``prob[i]`` (0 past its length) and ``lens[i]``.
+
+    Siblings at the same context draft the same walk: a row whose (A, B)
+    an earlier row drafted from copies that draft, cut to its own limit,
+    instead of walking it again (``memo``: scratch, a power of two >= 2m)."""
+    m, k = tok.shape
+    mask = memo.shape[0] - 1
+    memo[:] = -1
+    for i in range(m):
+        a, b = start[i, 0], start[i, 1]
+        limit = max(min(max_tokens[i], k), 0)  # < 0 (no room left): no draft
+        slot = ((a * 0x9E3779B1) ^ (b + 1)) & mask
+        while memo[slot] >= 0 and not (start[memo[slot], 0] == a and start[memo[slot], 1] == b):
+            slot = (slot + 1) & mask
+        j = memo[slot]
+        if j >= 0 and (limit <= max(min(max_tokens[j], k), 0) or lens[j] < min(max_tokens[j], k)):
+            n = min(lens[j], limit)  # the same walk, stopped where it stopped or at limit
+            for t in range(n):
+                tok[i, t] = tok[j, t]
+                prob[i, t] = prob[j, t]
+        else:
+            n = _draft_row(nodes, t0, t1, shift, half, max_depth, a, b, weight_b, limit, min_prob,
+                           min_match, prior, tok[i], prob[i])
+            memo[slot] = i
+        for t in range(n, k):
+            tok[i, t] = 0
+            prob[i, t] = 0.0
+        lens[i] = n
+
+
+@kernel
 def _draft(nodes, t0, t1, shift, half, state, max_depth, nodes_a, nodes_b, weight_b,
            max_tokens, k, min_prob, min_match, prior):
     rows = nodes_a.shape[0]
@@ -221,43 +273,75 @@ def _draft(nodes, t0, t1, shift, half, state, max_depth, nodes_a, nodes_b, weigh
     for i in range(rows):
         if not (_valid(state, half, nodes_a[i]) and _valid(state, half, nodes_b[i])):
             return toks, probs, lens, _BAD_INPUT
-    for i in range(rows):
-        lens[i] = _draft_row(nodes, t0, t1, shift, half, max_depth, nodes_a[i], nodes_b[i],
-                             weight_b, min(max_tokens[i], k), min_prob, min_match, prior,
-                             toks[i], probs[i])
+    start = np.empty((rows, 2), np.int64)
+    start[:, 0] = nodes_a
+    start[:, 1] = nodes_b
+    size = 2
+    while size < 2 * rows:
+        size *= 2
+    _draft_into(nodes, t0, t1, shift, half, max_depth, start, max_tokens, weight_b, min_prob,
+                min_match, prior, np.empty(size, np.int64), toks, probs, lens)
     return toks, probs, lens, 0
 
 
 @kernel
+def _room(state, half, slots, young, rotate_at, old_full_at):
+    """Bit 1: a half is full enough to rotate (the young one past
+    ``rotate_at``, or the old one past ``old_full_at``); bit 2: the young
+    half is past half full. Fill: nodes or edges in use, whichever is the
+    larger share."""
+    code = 0
+    for h in range(2):
+        fill = max((state[h, 0] - h * half) / half, 2 * state[h, 1] / slots)
+        if h == young:
+            if fill > rotate_at:
+                code |= 1
+            if fill > 0.5:
+                code |= 2
+        elif fill > old_full_at:
+            code |= 1
+    return code
+
+
+@kernel
 def _extend_draft(nodes, t0, t1, shift, half, state, max_depth, cursors, ids, buf, rows, begins,
-                  ends, max_tokens, weight_b, min_prob, min_match, prior):
+                  ends, max_tokens, weight_b, min_prob, min_match, prior, starts, memo, toks, probs,
+                  lens):
+    """Every sequence ``ids[i]`` (a row of ``cursors``) takes its tokens,
+    then every one drafts (:func:`_draft_into`) at most ``max_tokens[i]``;
+    k, the width, is the largest. ``toks`` and ``probs`` are flat (row i
+    at ``i * k``), ``lens`` per row; ``starts`` ((m, 2) or more) and
+    ``memo`` (a power of two >= 2m) are scratch: nothing is allocated.
+
+    Returns (error or 0, k, tokens appended, half lacking room or -1);
+    ``_SMALL`` if ``toks`` cannot hold m x k (nothing changed then)."""
     m = ids.shape[0]
     k = 0
     for i in range(m):
         k = max(k, max_tokens[i])
-    toks = np.zeros((m, k), np.int32)
-    probs = np.zeros((m, k), np.float64)
-    lens = np.zeros(m, np.int32)
+    if m * k > toks.shape[0] or m > lens.shape[0] or m > starts.shape[0] or 2 * m > memo.shape[0]:
+        return _SMALL, k, 0, -1
     for i in range(m):
         if not 0 <= ids[i] < cursors.shape[0]:
-            return toks, probs, lens, _BAD_INPUT, 0, -1
+            return _BAD_INPUT, k, 0, -1
         if cursors[ids[i], 0] < 0 or cursors[ids[i], 1] < -1:
-            return toks, probs, lens, _STALE, 0, -1
-    starts = np.empty((m, cursors.shape[1]), np.int64)
+            return _STALE, k, 0, -1
+    start = starts[:m]
     for i in range(m):
-        starts[i] = cursors[ids[i]]
+        start[i, 0] = cursors[ids[i], 0]
+        start[i, 1] = cursors[ids[i], 1]
     # every row's tokens go in before any row drafts
-    out, err, total, full = _extend(nodes, t0, t1, shift, half, state, max_depth, starts, buf,
-                                    rows, begins, ends)
+    err, total, full = _extend_into(nodes, t0, t1, shift, half, state, max_depth, start, buf, rows,
+                                    begins, ends, start)
     if err:
-        return toks, probs, lens, err, total, full
+        return err, k, total, full
     for i in range(m):
-        cursors[ids[i]] = out[i]
-    for i in range(m):
-        c = cursors[ids[i]]
-        lens[i] = _draft_row(nodes, t0, t1, shift, half, max_depth, c[0], c[1], weight_b,
-                             min(max_tokens[i], k), min_prob, min_match, prior, toks[i], probs[i])
-    return toks, probs, lens, 0, total, -1
+        cursors[ids[i], 0] = start[i, 0]
+        cursors[ids[i], 1] = start[i, 1]
+    _draft_into(nodes, t0, t1, shift, half, max_depth, start, max_tokens, weight_b, min_prob,
+                min_match, prior, memo, toks[:m * k].reshape((m, k)), probs[:m * k].reshape((m, k)),
+                lens[:m])
+    return 0, k, total, -1
 
 
 @kernel

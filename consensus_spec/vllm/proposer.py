@@ -35,6 +35,7 @@ from . import compat
 from .assumptions import warn_if_unchecked
 from .memory import SAVE_EVERY_STEPS, CostMemory
 from .options import options_from_vllm, parse_options
+from . import row_kernels
 from .rows import RowTracker
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handler and format
@@ -101,6 +102,7 @@ class ConsensusProposer:
         self.disabled = False  # switched off after max_failures failing steps in a row
         self._failing = 0      # failing steps in a row
         self._logged: set[str] = set()  # exception types already logged with a traceback
+        self._flat = self._offsets = np.zeros(0, np.int64)  # the drafts packed for vLLM's lists
         self._reset()
         self.warmup_s = self._warm_up() if self.proposer_options.warmup else 0.0
         logger.info("consensus_spec proposer: k=%d, cost model %s%s, %s (warm-up %.2f s)",
@@ -232,16 +234,14 @@ class ConsensusProposer:
                  start: float | None = None) -> list[list[int]]:
         num_rows = len(sampled_token_ids)
         rows = self.rows
-        before = (rows.paths_started, rows.paths_resumed, rows.tokens_missed, rows.rows_rejected)
+        before = rows.events
         step = rows.update(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         self._tracked = True  # a failure from here on leaves the row tracker consistent
-        drafts: list[list[int]] = [[] for _ in range(num_rows)]
         if not len(step.rows):
             self._sent = None
-            return drafts
+            return [[] for _ in range(num_rows)]
         verified = self._observe()
-        clean = (verified is not None and len(step.rows) == num_rows and before ==
-                 (rows.paths_started, rows.paths_resumed, rows.tokens_missed, rows.rows_rejected))
+        clean = verified is not None and len(step.rows) == num_rows and rows.events == before
         self._time_step(num_rows, verified if clean else None, start)
         self._last_rows = num_rows
         room = np.minimum(self.max_model_len - 1 - step.ends, self.num_speculative_tokens)  # < 0: none
@@ -252,12 +252,21 @@ class ConsensusProposer:
             step.paths, token_ids_cpu, step.rows, step.begins, step.ends, room, floor)
         if self.budget is not None:
             lengths = self.budget(probs, lengths, num_rows)
-        for i, draft, n in zip(step.rows.tolist(), tokens.tolist(), lengths.tolist()):
-            if n:
-                drafts[i] = draft[:n]
-        self.num_drafted += int(lengths.sum())
-        self._sent = (step.rows, step.paths, probs, np.asarray(lengths, np.int64))
-        return drafts
+        else:
+            lengths = lengths.astype(np.int64)  # the drafter's buffer is reused next step
+        self._sent = (step.rows, step.paths, probs, lengths)
+        return self._lists(step.rows, tokens, lengths, num_rows)
+
+    def _lists(self, rows, tokens, lengths, num_rows: int) -> list[list[int]]:
+        """One list per batch row (vLLM's drafts): ``rows[j]``'s is
+        ``tokens[j, :lengths[j]]``, every other row's empty."""
+        if len(self._offsets) <= num_rows or len(self._flat) < tokens.size:
+            self._offsets = np.zeros(2 * num_rows + 1, np.int64)
+            self._flat = np.zeros(2 * tokens.size, np.int64)
+        n = row_kernels._pack(rows, tokens, lengths, num_rows, self._flat, self._offsets)
+        self.num_drafted += n
+        flat, at = self._flat[:n].tolist(), self._offsets[:num_rows + 1].tolist()
+        return [flat[at[i]:at[i + 1]] for i in range(num_rows)]
 
     def _observe(self) -> int | None:
         """Count what the verifier kept of last step's drafts; calibrate on
@@ -265,11 +274,11 @@ class ConsensusProposer:
         if self._sent is None:
             return None
         rows, paths, probs, sent = self._sent
-        accepted = self.rows.accepted(rows, paths, sent)  # zeroes sent where not judged
-        self.num_accepted += int(accepted.sum())
+        accepted, kept, verified = self.rows.accepted(rows, paths, sent)  # zeroes sent where not judged
+        self.num_accepted += kept
         if self.budget is not None:
             self.budget.observe(probs, sent, accepted)
-        return int(sent.sum())
+        return verified
 
     def _time_step(self, num_rows: int, verified: int | None, start: float | None) -> None:
         """Charge the engine step that just ran (``verified`` None: not

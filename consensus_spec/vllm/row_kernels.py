@@ -118,7 +118,9 @@ def _match(counts, ends, token_ids, lens, tail, hashes, path, state, window, tok
     """Find each row's path; rows with new tokens come back as (row, path,
     begin, end, contiguous), path -1 where no row's former path fits (then
     ``window[row, d]`` is the hash of the row's first ``begin - d`` tokens),
-    and the former paths no row continues as (path, length, hash)."""
+    and the former paths no row continues as (path, length, hash); then
+    counts of rows moved, tokens missed, rows unresolved and rejected, and
+    tokens the rows produced."""
     num_rows, width = counts.shape[0], token_ids.shape[1]
     old_path, old_lens, old_tail, old_hash = path.copy(), lens.copy(), tail.copy(), hashes.copy()
     free = np.zeros(path.shape[0], np.bool_)  # former path not continued in its own row
@@ -213,19 +215,43 @@ def _match(counts, ends, token_ids, lens, tail, hashes, path, state, window, tok
     unresolved = 0
     for j in range(live):
         unresolved += paths[j] < 0
+    tokens = 0
+    for i in range(num_rows):
+        tokens += counts[i]
     return (rows, paths, begins, out_ends, contiguous, old_path[gone], old_lens[gone],
-            old_hash[gone], moved, missed, unresolved, rejected)
+            old_hash[gone], moved, missed, unresolved, rejected, tokens)
 
 
 @kernel
 def _accepted(rows, paths, sent, path, state, counts):
     """Tokens the verifier kept of each draft sent last step; 0 (and nothing
-    sent) where the row no longer holds that path contiguously."""
+    sent) where the row no longer holds that path contiguously. Returns
+    them and their sum, and the sum of ``sent`` after."""
     accepted = np.zeros(rows.shape[0], np.int64)
+    kept = judged = 0
     for j in range(rows.shape[0]):
         i = rows[j]
         if sent[j] > 0 and i < counts.shape[0] and state[i] == _EXACT and path[i] == paths[j]:
             accepted[j] = min(counts[i] - 1, sent[j])
+            kept += accepted[j]
+            judged += sent[j]
         else:
             sent[j] = 0
-    return accepted
+    return accepted, kept, judged
+
+
+@kernel
+def _pack(rows, tokens, lengths, num_rows, flat, offsets):
+    """The drafts in batch-row order, for vLLM's lists: row ``rows[j]``
+    (increasing) drafts ``tokens[j, :lengths[j]]``, every other row nothing;
+    row i's are ``flat[offsets[i]:offsets[i + 1]]``. Returns their number."""
+    n = j = 0
+    for i in range(num_rows):
+        offsets[i] = n
+        if j < rows.shape[0] and rows[j] == i:
+            for t in range(lengths[j]):
+                flat[n] = tokens[j, t]
+                n += 1
+            j += 1
+    offsets[num_rows] = n
+    return n

@@ -99,6 +99,7 @@ class RowTracker:
         self._window = np.zeros((0, _MAX_MISSED + 1), np.uint64)  # see K._match
         self._state = np.zeros(0, np.int64)  # row -> K._IDLE, K._EXACT or K._OTHER this step
         self._counts = np.zeros(0, np.int64)  # row -> tokens sampled this step
+        self._step_tokens = 0  # their sum
         # (length, hash) -> paths, oldest first; keys least recently parked first
         self._parked: OrderedDict[tuple, list] = OrderedDict()
         self._parked_lengths: dict[int, int] = {}  # length -> parked keys with it
@@ -126,7 +127,13 @@ class RowTracker:
     @property
     def step_tokens(self) -> int:
         """Tokens the rows of the last update produced (sampled and accepted)."""
-        return int(self._counts.sum())
+        return self._step_tokens
+
+    @property
+    def events(self) -> int:
+        """Paths started and resumed, tokens missed and rows rejected, in all:
+        unchanged by a step in which every row simply continued."""
+        return self.paths_started + self.paths_resumed + self.tokens_missed + self.rows_rejected
 
     @property
     def num_rows(self) -> int:
@@ -152,10 +159,11 @@ class RowTracker:
             ends = ends.astype(np.int64)
         self._grow(num_rows)
         self._counts = counts
-        *step, gone, gone_lens, gone_hashes, moved, missed, unresolved, rejected = K._match(
+        (rows, paths, begins, step_ends, contiguous, gone, gone_lens, gone_hashes, moved, missed,
+         unresolved, rejected, self._step_tokens) = K._match(
             counts, ends, token_ids, self._lens, self._tail, self._hash, self._path,
             self._state, self._window, self._token_limit)
-        step = RowUpdate(*step)
+        step = RowUpdate(rows, paths, begins, step_ends, contiguous)
         self.paths_moved += moved
         self.tokens_missed += missed
         self.rows_rejected += rejected
@@ -172,20 +180,21 @@ class RowTracker:
         rows = np.flatnonzero((self._path >= 0) & (self._lens > 0))
         return rows, self._path[rows].copy(), self._lens[rows].copy()
 
-    def accepted(self, rows, paths, sent) -> np.ndarray:
+    def accepted(self, rows, paths, sent) -> tuple[np.ndarray, int, int]:
         """For drafts sent last step (``sent[j]`` tokens to ``paths[j]`` in
         row ``rows[j]``), how many the verifier kept, judged from this step's
-        update. Rows that no longer hold their path contiguously count
-        nothing and get ``sent[j] = 0`` (in place)."""
+        update, and their sum, and the draft tokens judged. Rows that no
+        longer hold their path contiguously count nothing and get
+        ``sent[j] = 0`` (in place)."""
         return K._accepted(rows, paths, sent, self._path, self._state, self._counts)
 
     def _settle(self, step: RowUpdate, token_ids) -> None:
         """Rows no former path fits: a parked path resumes, or a new one starts."""
         for j in np.flatnonzero(step.paths < 0).tolist():
-            i, base = int(step.rows[j]), int(step.begins[j])
+            i, base = step.rows.item(j), step.begins.item(j)
             found = self._unpark(i, base)
             if found is None:
-                path = self._start_path(token_ids[i][:base])
+                path = self._start_path(token_ids[i, :base])
                 self.paths_started += 1
             else:
                 path, length = found
@@ -206,15 +215,16 @@ class RowTracker:
 
     def _park(self, path: int, key: tuple) -> None:
         bucket = self._parked.get(key)
-        if bucket is None:
+        if bucket is None:  # a new key goes in last: the most recently parked
             self._parked[key] = bucket = []
             length = key[0]
             if length not in self._parked_lengths:
                 insort(self._lengths_sorted, length)
             self._parked_lengths[length] = self._parked_lengths.get(length, 0) + 1
+        else:
+            self._parked.move_to_end(key)
         bucket.append(path)
         self._num_parked += 1
-        self._parked.move_to_end(key)
         if len(bucket) > self._max_per_key:  # identical copies: the newest suffice
             self._release(bucket.pop(0))
         while self._num_parked > self._max_parked:  # least recently parked key, oldest path
@@ -234,14 +244,14 @@ class RowTracker:
     def _unpark(self, row: int, base: int):
         """(path, length) of a parked path whose sequence is row's first
         ``base`` tokens or up to ``_MAX_MISSED`` fewer, longest first, or None."""
-        window = self._window[row]  # window[d]: hash of the row's first base - d tokens
-        k = (base, int(window[0]))
+        window = self._window  # window[row, d]: hash of the row's first base - d tokens
+        k = (base, window.item(row, 0))
         if k not in self._parked:  # it may have advanced during missed steps
             lengths = self._lengths_sorted
             lo = bisect_left(lengths, max(base - _MAX_MISSED, 1))
             below = reversed(lengths[lo:bisect_left(lengths, base, lo)])
-            k = next((c for c in ((n, int(window[base - n])) for n in below) if c in self._parked),
-                     None)
+            k = next((c for c in ((n, window.item(row, base - n)) for n in below)
+                      if c in self._parked), None)
             if k is None:
                 return None
         bucket = self._parked[k]

@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 from tqdm import tqdm
 
 from ..options import parse_options
@@ -67,6 +68,7 @@ class CpuTimed:
         self.rows = 0
         self.call_s: list[float] = []    # CPU seconds per call
         self.per_call: list[float] = []  # and per row, in µs
+        self.call_rows: list[int] = []   # rows of each call
         self.calls: list[list] | None = [] if log else None
 
     def __call__(self, sampled, batch):
@@ -77,6 +79,7 @@ class CpuTimed:
         self.rows += len(sampled)
         self.call_s.append(dt)
         self.per_call.append(dt * 1e6 / max(len(sampled), 1))
+        self.call_rows.append(len(sampled))
         if self.calls is not None:
             self.calls.append([len(sampled), sorted({len(d) for d in out})])
         return out
@@ -89,6 +92,15 @@ class CpuTimed:
     def median_us_per_row(self) -> float:
         s = sorted(self.per_call)
         return s[len(s) // 2] if s else 0.0
+
+    def percentiles(self, rows: int | None = None) -> dict:
+        """Median and p99 over calls of CPU µs per row-step; with ``rows``,
+        over the calls with that many rows only (a full batch: the tail of
+        a run, where the batch drains to a few rows, left out)."""
+        per = [x for x, n in zip(self.per_call, self.call_rows) if rows is None or n == rows]
+        if not per:
+            return {}
+        return {"median": float(np.median(per)), "p99": float(np.percentile(per, 99)), "calls": len(per)}
 
 
 class Bench:
@@ -172,7 +184,9 @@ class Bench:
         print(f"  {desc}: tau {stats.tau:.2f}, {drafter.us_per_row:.1f} µs/row-step CPU "
               f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         row = {"traces": name, "problems": len(problems), "batch": batch, **stats.summary(),
-               "cpu_us_per_row": drafter.us_per_row, "cpu_median_us_per_row": drafter.median_us_per_row}
+               "cpu_us_per_row": drafter.us_per_row, "cpu_median_us_per_row": drafter.median_us_per_row,
+               "cpu_p99_us_per_row": drafter.percentiles().get("p99", 0.0),
+               "cpu_full_batch_us_per_row": drafter.percentiles(batch)}
         if hasattr(inner, "route_stats"):
             row.update(inner.route_stats())
         if hasattr(inner, "budget_stats"):  # suffix-budget and consensus*: the budget's state

@@ -177,7 +177,8 @@ class ProposerDrafter:
 
 def make_drafter(method: str, k: int, max_model_len: int, max_num_seqs: int,
                  consensus_options: dict | None = None, schedule=None,
-                 suffix_options: dict | None = None, clock=None, model: str | None = None):
+                 suffix_options: dict | None = None, clock=None, model: str | None = None,
+                 package=None):
     """A callable ``(sampled_token_ids, batch) -> drafts`` for ``method``.
 
     ``schedule``: vLLM's ``num_speculative_tokens_per_batch_size`` for ngram
@@ -186,7 +187,9 @@ def make_drafter(method: str, k: int, max_model_len: int, max_num_seqs: int,
     learn step costs (a :class:`evals.replay.engine.VirtualClock`); without one a
     replay has no step times, so its budget keeps the fixed cost model.
     ``model``: the machine's name where consensus remembers its step costs
-    (:class:`evals.replay.projection.StartupCosts`).
+    (:class:`evals.replay.projection.StartupCosts`). ``package``: the
+    ``consensus_spec`` module whose proposer consensus runs (another
+    commit's: :mod:`evals.measure.previous`).
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
@@ -229,7 +232,8 @@ def make_drafter(method: str, k: int, max_model_len: int, max_num_seqs: int,
         from .device_drafters import SpeculatorDrafter
         return SpeculatorDrafter(int(method.removeprefix("device-lag")), k_at, k, max_model_len,
                                  max_num_seqs, consensus_options)
-    from consensus_spec import ConsensusProposer
+    if package is None:
+        import consensus_spec as package
     options = dict(consensus_options or {})
     if method == "consensus-nobudget":
         options["cost_model"] = "off"
@@ -239,7 +243,7 @@ def make_drafter(method: str, k: int, max_model_len: int, max_num_seqs: int,
         options["online_costs"] = False
     if clock is None:
         options["online_costs"] = False
-    p = ConsensusProposer(cfg, **options)
+    p = package.ConsensusProposer(cfg, **options)
     if clock is not None:
         p.clock = clock
     return ProposerDrafter(p)

@@ -1,0 +1,165 @@
+"""The consensus proposer's drafts on the recorded fixture, one digest per
+propose() call: what ``tests/test_drafts_unchanged.py`` holds the current
+code to. Recorded with the code before issue 43 (the per-step host time
+work), imported beside this one from git
+(``evals/measure/previous.py``):
+
+    python -m tests.draft_fixture --previous 287c905 --out tests/fixtures/drafts_287c905.json
+
+A small engine drives the proposer as vLLM's runner would: rows admitted as
+rows free up, drafts verified against the recorded tokens, finished rows
+condensed (the last row moves into the hole), and, per configuration,
+preempted rows that resume later and steps with no propose call. Time is a
+fixed model (``Clock``), so the online budget learns the same thing in
+every run and its choices are part of what is compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+TRACES = os.path.join(FIXTURES, "embedded_n8.jsonl")
+K = 6
+
+# name: (rows, proposer options, preempt every N steps, skip a propose call every N steps)
+CONFIGS = {
+    "rows8_budget": (8, {}, 0, 0),
+    "rows3_budget": (3, {}, 0, 0),
+    "rows32_nobudget": (32, {"cost_model": "off"}, 0, 0),
+    "rows16_preempt_skip": (16, {}, 11, 13),
+    # a small arena: halves rotate, live groups lose their tries, the cross trie restarts
+    "rows16_small_arena": (16, {"cost_model": "off", "max_trie_nodes": 6000,
+                                "cross_group_tokens": 800, "max_group_tokens": 3000,
+                                "prompt_tokens": 64}, 0, 0),
+}
+
+
+def load_problems(path: str = TRACES) -> list[tuple[list[int], list[list[int]]]]:
+    with open(path, encoding="utf-8") as f:
+        return [(obj["prompt_ids"], obj["completion_ids"]) for obj in map(json.loads, f)]
+
+
+class Clock:
+    """Seconds: each read advances 10 µs (the proposer's own time), each
+    verified step a fixed model of rows and draft tokens."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1e-5
+        return self.now
+
+    def step(self, rows: int, drafted: int) -> None:
+        self.now += (2.0 + 0.05 * rows + 0.08 * drafted) / 1000.0
+
+
+def digest(drafts) -> str:
+    return hashlib.sha1(repr([list(map(int, d)) for d in drafts]).encode()).hexdigest()[:12]
+
+
+def drive(package, rows: int, options: dict, preempt: int = 0, skip: int = 0,
+          counters: dict | None = None) -> list[str]:
+    """One digest per propose() call of ``package``'s proposer (a
+    ``consensus_spec`` module) over the fixture at ``rows`` rows;
+    ``counters`` gets the proposer's counters at the end."""
+    problems = load_problems()
+    max_len = max(len(p) + max(map(len, c)) for p, c in problems) + K + 2
+    cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=K),
+                          model_config=SimpleNamespace(max_model_len=max_len + 8),
+                          scheduler_config=SimpleNamespace(max_num_seqs=rows), additional_config={})
+    proposer = package.ConsensusProposer(cfg, remember_costs=False, **options)
+    clock = proposer.clock = Clock()
+    buf = np.zeros((rows, max_len), np.int32)
+    num = np.zeros(rows, np.int32)
+    queue = [(p, s) for p in range(len(problems)) for s in range(len(problems[p][1]))]
+    batch: list[list] = []  # [seq, n, sampled]
+    waiting: list[tuple[int, list]] = []  # (step it resumes at, row) of preempted rows
+    out, step = [], 0
+    while queue or batch or waiting:
+        step += 1
+        for entry in [w for w in waiting if w[0] <= step][:rows - len(batch)]:
+            waiting.remove(entry)
+            row = entry[1]
+            row[1] += 1  # its resumed prefill samples the next token
+            row[2] = [row[0][row[1] - 1]]
+            batch.append(row)
+        while len(batch) < rows and queue:
+            p, s = queue.pop(0)
+            seq = problems[p][0] + problems[p][1][s]
+            n = len(problems[p][0]) + 1
+            batch.append([seq, n, [seq[n - 1]]])
+        if preempt and step % preempt == 0 and len(batch) > 2:
+            waiting.append((step + 3, batch.pop(len(batch) // 2)))  # later rows move up
+        for i, (seq, n, _) in enumerate(batch):
+            buf[i, :n] = seq[:n]
+            num[i] = n
+        if skip and step % skip == 0:  # vLLM runs the step without calling the drafter
+            drafts = [[] for _ in batch]
+        else:
+            drafts = proposer.propose([r[2] for r in batch], num, buf)
+            out.append(digest(drafts))
+        drafted = 0
+        for row, draft in zip(batch, drafts):
+            seq, n = row[0], row[1]
+            draft = list(draft)[:K]
+            acc = 0
+            while acc < len(draft) and n + acc < len(seq) and draft[acc] == seq[n + acc]:
+                acc += 1
+            row[2] = seq[n:n + acc + 1]
+            row[1] = n + len(row[2])
+            drafted += len(draft)
+        clock.step(len(batch), drafted)
+        # vLLM's condense: the last live row moves into each hole a finished one left
+        holes = [i for i, r in enumerate(batch) if r[1] >= len(r[0])]
+        last = len(batch) - 1
+        for hole in holes:
+            while last > hole and batch[last][1] >= len(batch[last][0]):
+                last -= 1
+            if last <= hole:
+                break
+            batch[hole], batch[last] = batch[last], batch[hole]
+            last -= 1
+        del batch[len(batch) - len(holes):]
+    if proposer.num_failures:
+        raise RuntimeError(f"{proposer.num_failures} propose() calls failed")
+    if counters is not None:
+        counters.update(proposer.counters())
+    return out
+
+
+def record(package) -> dict:
+    return {name: drive(package, *config) for name, config in CONFIGS.items()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.draft_fixture",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--previous", required=True,
+                    help="git revision whose consensus_spec records the drafts")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    sys.path.insert(0, os.path.dirname(FIXTURES.rsplit(os.sep, 1)[0]))
+    from evals.measure.previous import load
+
+    package = load(args.previous)
+    data = {"recorded_with": package.__name__, "k": K,
+            "configs": {n: list(c) for n, c in CONFIGS.items()}, "digests": record(package)}
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(data, f, separators=(",", ":"))
+        f.write("\n")
+    print(f"wrote {args.out}: "
+          + ", ".join(f"{n} {len(d)} calls" for n, d in data["digests"].items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
