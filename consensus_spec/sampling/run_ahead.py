@@ -53,7 +53,7 @@ from functools import lru_cache
 from typing import Any, Callable, Protocol, Sequence
 
 from ..voting.answers import normalize_answer
-from .stopping import StopRule, should_stop_ids
+from .stopping import StopRule, lru_sizes, should_stop_ids
 
 __all__ = ["RowCosts", "RunAhead", "RunAheadStats", "need_probability", "tally_keys"]
 
@@ -90,6 +90,11 @@ def _ids(counts: Sequence[int], none: int) -> list[int | None]:
     for cid, c in enumerate(counts):
         out += [cid] * c
     return out + [None] * none
+
+
+def cache_sizes() -> dict[str, list[int]]:
+    """Run-ahead's memo: [entries held, bound]."""
+    return lru_sizes(need_probability)
 
 
 @lru_cache(maxsize=1 << 16)
