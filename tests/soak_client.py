@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 import uuid
@@ -95,6 +96,17 @@ def _request_bytes(route: str, body: dict, request_id: str) -> bytes:
             f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n").encode() + data
 
 
+def _status_so_far(sock) -> int | None:
+    """The status line the server has sent, if any (without waiting)."""
+    sock.setblocking(False)
+    try:
+        head = sock.recv(64)
+    except OSError:
+        return None
+    m = re.match(rb"HTTP/1\.1 (\d{3})", head)
+    return int(m.group(1)) if m else None
+
+
 def hang_up(base_url: str, item: Item, check: bool) -> dict:
     """Send ``item`` and close the connection ``item.hangup_after`` seconds
     into its run (``check``: its run seen active first; then the time until
@@ -116,6 +128,7 @@ def hang_up(base_url: str, item: Item, check: bool) -> dict:
         if check:
             s = endpoint_state(base_url, rid)
             out["finished_before_close"] = s["requests_active"] == 0
+        out["status"] = _status_so_far(sock)
     closed = time.monotonic()
     if not check:
         return out
@@ -147,23 +160,34 @@ def wait_idle(base_url: str, endpoint: bool, timeout: float = 60.0) -> dict:
 
 
 def serial_hangup(base_url: str, item: Item, endpoint: bool) -> dict:
-    """``item`` alone on an idle server, hung up on once it runs: the time
-    from the close until vLLM's gauges (and the endpoint) show nothing running."""
+    """``item`` alone on an idle server, hung up on mid-run: the time from
+    the close until vLLM's gauges (and the endpoint) show nothing running.
+    On this package's routes the run is seen active through its
+    ``X-Request-Id``; vLLM's routes are sent streamed and left after their
+    first chunk (a running request: the gauges, scraped, can miss a short one)."""
+    import requests
+
     before = wait_idle(base_url, endpoint)
-    host, port = base_url.split("//")[1].split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(_request_bytes(item.route, item.body, f"soak-serial-{uuid.uuid4().hex[:8]}"))
-        deadline = time.monotonic() + 30.0
-        running = False
-        while not running and time.monotonic() < deadline:
-            running = engine_gauges(base_url)["running"] > 0
-            time.sleep(POLL_S)
-        time.sleep(0.3)
+    rid = f"soak-serial-{uuid.uuid4().hex[:8]}"
+    if item.route.startswith(ROUTE):
+        host, port = base_url.split("//")[1].split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(_request_bytes(item.route, item.body, rid))
+            deadline, ran = time.monotonic() + 30.0, False
+            while not ran and time.monotonic() < deadline:
+                ran = endpoint_state(base_url, rid)["requests_active"] > 0
+                time.sleep(POLL_S)
+            time.sleep(0.1)
+    else:
+        with requests.post(base_url + item.route, json={**item.body, "stream": True},
+                           stream=True, timeout=TIMEOUT_S) as r:
+            ran = r.status_code == 200 and any(
+                line.startswith(b"data: ") for line in r.iter_lines(chunk_size=1) if line)
     closed = time.monotonic()
     while True:
         after = wait_idle(base_url, endpoint, timeout=0.0)
         if after["idle"] or time.monotonic() - closed > END_WAIT_S:
             break
         time.sleep(POLL_S)
-    return {"route": item.route, "idle_before": before["idle"], "ran": running,
+    return {"route": item.route, "idle_before": before["idle"], "ran": ran,
             "idle_after": after["idle"], "end_s": round(time.monotonic() - closed, 3)}

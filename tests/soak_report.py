@@ -35,6 +35,8 @@ def record(item, res: dict) -> dict:
     if item.kind == "hangup" and res.get("checked"):
         out.update(end_s=res.get("end_s"), seen=res.get("seen_active"),
                    early=res.get("finished_before_close"))
+    if item.kind == "hangup" and not out["ok"]:
+        out["body"] = item.body  # to send again by hand
     if item.kind == "bad":
         out["name"] = item.name
         if not out["ok"]:

@@ -103,10 +103,14 @@ class ConsensusProposer:
         self._logged: set[str] = set()  # exception types already logged with a traceback
         self._reset()
         self.warmup_s = self._warm_up() if self.proposer_options.warmup else 0.0
-        logger.info("consensus_spec proposer: k=%d, cost model %s%s, %s (warm-up %.2f s)",
-                    self.num_speculative_tokens, name,
+        if self.proposer_options.commit_arena:  # after the warm-up's last reset: this arena stays
+            self.drafter.forest.commit()
+        logger.info("consensus_spec proposer: k=%d, cost model %s%s, %s (warm-up %.2f s, trie "
+                    "arena %d MB%s)", self.num_speculative_tokens, name,
                     " (prior; step costs learned online)" if self.budget is not None
-                    and self.budget.costs is not None else "", self.drafter_options, self.warmup_s)
+                    and self.budget.costs is not None else "", self.drafter_options, self.warmup_s,
+                    self.drafter.arena_bytes >> 20,
+                    ", committed" if self.proposer_options.commit_arena else "")
 
     def _reset(self) -> None:
         """Fresh drafting state (trie forest, row tracking, calibration); step
