@@ -55,16 +55,25 @@ SERVERS = ("plain", "consensus")
 
 
 def start(name: str, log_dir: Path, memory: float = 0.1, env: dict | None = None,
-          options: dict | None = None, extra: list[str] | None = None):
+          options: dict | None = None, extra: list[str] | None = None, trace: bool = False):
     """A server, started the way the soak compares them (see the module
-    docstring); ``options``: the proposer's (default ``{"max_depth": 8}``)."""
+    docstring); ``options``: the proposer's (default ``{"max_depth": 8}``);
+    ``trace``: the API server traces its allocations (tests/soak_site)."""
     flags = server_command(model_path(), spec=name == "consensus", probe=True, options=options,
                            extra=extra)
     flags[flags.index("--gpu-memory-utilization") + 1] = str(memory)
     plugins = PLUGINS if name == "consensus" else FIXES_PLUGIN
     env = {**logging_env(log_dir), "VLLM_SERVER_DEV_MODE": "1", "VLLM_PLUGINS": plugins,
            **(env or {})}
-    return checkout_server(name, flags, log_dir / f"{name}_server.log", env=env).start()
+    trace_dir = log_dir / f"{name}_tracemalloc"
+    if trace:
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        env.update(CONSENSUS_SPEC_SOAK_TRACE_DIR=str(trace_dir), PYTHONPATH=os.pathsep.join(
+            p for p in (str(ROOT / "tests" / "soak_site"), str(ROOT),
+                        os.environ.get("PYTHONPATH", "")) if p))
+    server = checkout_server(name, flags, log_dir / f"{name}_server.log", env=env)
+    server.trace_dir = trace_dir
+    return server.start()
 
 
 def probe(base_url: str, method: str = "consensus_spec_counters", **kwargs) -> dict:
@@ -83,6 +92,17 @@ PROPOSER_KEYS = ("trie_nodes", "num_groups", "group_tokens", "live_groups", "liv
                  "arena_bytes", "num_failures", "disabled", "num_drafted", "num_accepted")
 ENDPOINT_KEYS = ("requests_active", "paths_in_flight", "client_ids_held", "planners_held",
                  "tasks_held", "requests_total", "requests_unfinished", "caches")
+
+
+def api_tracemalloc(folder: Path, n: int, timeout: float = 60.0) -> dict:
+    """Ask the API server's tracer (tests/soak_site/sitecustomize.py) for its diff."""
+    (folder / f"request-{n}").touch()
+    result, deadline = folder / f"result-{n}.json", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if result.exists():
+            return json.loads(result.read_text())
+        time.sleep(0.2)
+    return {"error": f"no answer from the API server's tracer in {timeout:.0f} s"}
 
 
 class Sampler:
@@ -123,6 +143,7 @@ class Sampler:
         if self.tracemalloc_at is not None and done >= self.tracemalloc_at:
             action = "diff" if any("tracemalloc" in x for x in self.samples) else "start"
             s["tracemalloc"] = probe(url, "consensus_spec_tracemalloc", action=action)
+            s["api_tracemalloc"] = api_tracemalloc(self.server.trace_dir, done)
         if self.trim:  # diagnostic: what of the worker's RSS is heap the allocator kept
             after = probe(url, trim="1")
             s["worker"]["rss_after_trim_mb"] = after.get("worker_rss_mb")
@@ -223,8 +244,8 @@ def main(argv=None) -> int:
                     help="diagnostic: at each sample, malloc_trim the worker and report its RSS "
                          "after (changes what follows)")
     ap.add_argument("--tracemalloc", action="store_true",
-                    help="diagnostic: trace the worker's Python and numpy allocations from "
-                         "the warm-up on (slows it)")
+                    help="diagnostic: trace the API server's and the worker's Python (and "
+                         "numpy) allocations, diffs from the warm-up on (slows both)")
     ap.add_argument("--out", type=Path, default=Path("results/memory_soak.json"))
     ap.add_argument("--plot", type=Path, default=None, help="default: --out with .png")
     ap.add_argument("--log-dir", type=Path, default=None)
@@ -266,7 +287,7 @@ def main(argv=None) -> int:
     env = dict(kv.split("=", 1) for kv in args.server_env)
     for name in servers:
         entry = report["servers"][name] = {}
-        run_server(start(name, log_dir, args.memory, env), name, bursts, entry,
+        run_server(start(name, log_dir, args.memory, env, trace=args.tracemalloc), name, bursts, entry,
                    warmup=args.warmup, deadline=deadline, write=write,
                    progress_every=args.progress_every, sample_every=args.sample_every,
                    trim=args.trim,

@@ -34,7 +34,7 @@ def record(item, res: dict) -> dict:
         out["tok"] = res["tokens"]
     if item.kind == "hangup" and res.get("checked"):
         out.update(end_s=res.get("end_s"), seen=res.get("seen_active"),
-                   early=res.get("finished_before_close"))
+                   early=res.get("finished_before_close") or res.get("answered_before_close"))
     if item.kind == "hangup" and not out["ok"]:
         out["body"] = item.body  # to send again by hand
     if item.kind == "bad":

@@ -116,3 +116,37 @@ def test_a_stream_whose_client_leaves_holds_no_task():
 
     got, during, after = asyncio.run(main())
     assert got and during == 2 and after == 0, (got, during, after)
+
+
+def test_the_math_verify_helper_and_its_caches_stay_bounded():
+    """Distinct answers that need math-verify, many more than its caches
+    hold: the parent's caches stop at their bound and the helper process
+    (its own parse cache bounded too) does not grow once they are full.
+    (The soak's model answers with integers, which never reach the helper.)"""
+    import random
+
+    from consensus_spec.voting.answers import canonicalize
+    from consensus_spec.voting.equivalence import _MathEngine
+    from tests.server_soak import rss_kb
+
+    rng = random.Random(0)
+
+    def expr() -> str:
+        a, b, c = rng.randrange(1, 500), rng.randrange(2, 97), rng.randrange(1, 9)
+        return rng.choice([f"\\frac{{{a}}}{{{b}}}", f"{a}/{b}", f"x^{c}+{a}", f"\\sqrt{{{a}}}",
+                           f"{c}\\pi", f"({a}+{c})/{b}"])
+
+    engine = _MathEngine()
+    engine.CACHE_SIZE = 200
+    rss = []
+    try:
+        for i in range(1, 1501):
+            engine.equal(canonicalize(expr()).math, canonicalize(expr()).math, 5.0)
+            if i in (750, 1500):
+                assert engine._proc is not None and engine._proc.poll() is None
+                rss.append(rss_kb(engine._proc.pid) / 1024)
+        sizes = engine.cache_sizes()
+    finally:
+        engine.close()
+    assert sizes["math_parsed"] == [200, 200] and sizes["math_verified"][0] <= 200, sizes
+    assert rss[1] - rss[0] < 4.0, rss  # MB
