@@ -26,9 +26,8 @@
 Everything is bounded: request counts are fixed, every HTTP call has a
 timeout, the soak has a deadline, and each server is killed (its whole
 process group) in a ``finally``. Only 127.0.0.1 is ever contacted.
-
-This module is also imported inside the engine process (as the worker
-extension), so its top level imports only the standard library.
+The proposer's counters come from the worker extension in
+:mod:`tests.worker_probe`.
 """
 
 from __future__ import annotations
@@ -47,6 +46,7 @@ from pathlib import Path
 
 from evals.math.servers import (  # one definition, shared with evals
     SERVED, VllmServer, process_group, process_tree, server_args)
+from tests.worker_probe import EXTENSION  # the proposer's counters, read in the engine worker
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_MODEL_LEN = 512
@@ -54,52 +54,6 @@ SERVED_NAME = SERVED
 REQUEST_TIMEOUT_S = 180.0   # one good request (n samples)
 BAD_TIMEOUT_S = 60.0        # one malformed request: a hang past this is a finding
 MAX_SECOND_HALF_GROWTH_MB = 300.0
-
-
-# --------------------------------------------------------------------------
-# Worker extension: the proposer's counters, read in the engine process.
-
-class ProposerCounters:
-    """Mixed into vLLM's worker by ``--worker-extension-cls``; called through
-    ``POST /collective_rpc {"method": "consensus_spec_counters"}`` (dev mode)."""
-
-    def consensus_spec_counters(self, trim: str = ""):
-        """``trim="1"``: also hand freed heap back to the OS (glibc
-        ``malloc_trim``) and report the RSS after it: what of the growth is
-        live memory and what is heap the allocator kept."""
-        runner = getattr(self, "model_runner", None)
-        drafter = getattr(runner, "drafter", None)
-        counters = getattr(drafter, "counters", None)
-        out = {"proposer": type(drafter).__name__ if drafter is not None else None}
-        if trim:
-            out["worker_rss_before_trim_mb"] = _self_rss_mb()
-            import ctypes
-            ctypes.CDLL(None).malloc_trim(0)
-        if counters is None:
-            out["worker_rss_mb"] = _self_rss_mb()
-            return out
-        out.update(counters())
-        # MB held in the drafting state's arrays (trie arena, hash table, row tracking)
-        parts = {"drafter": getattr(drafter, "drafter", None), "rows": getattr(drafter, "rows", None)}
-        parts["forest"] = getattr(parts["drafter"], "forest", None)
-        out["arrays_mb"] = {name: round(sum(v.nbytes for v in vars(obj).values()
-                                            if type(v).__name__ == "ndarray") / 2**20, 1)
-                            for name, obj in parts.items() if obj is not None}
-        out["worker_rss_mb"] = _self_rss_mb()
-        import sys as _sys
-        out["python_blocks"] = _sys.getallocatedblocks()  # pymalloc blocks: Python objects
-        return out
-
-
-def _self_rss_mb() -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) // 1024
-    except (OSError, StopIteration, ValueError):
-        return None
-
-
-EXTENSION = f"{__name__ if __name__ != '__main__' else 'tests.server_soak'}.ProposerCounters"
 
 
 # --------------------------------------------------------------------------
@@ -194,6 +148,8 @@ def process_label(pid: int) -> str:
         name = "APIServer"
     elif "resource_tracker" in cmd:
         name = "resource_tracker"
+    elif "_consensus_answers_worker" in cmd:
+        name = "math-verify helper"
     else:
         try:
             name = Path(f"/proc/{pid}/comm").read_text().strip()

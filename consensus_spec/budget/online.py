@@ -52,6 +52,7 @@ MIN_NOISE = 0.01        # relative: no machine times its steps better than this
 REJECT_SIGMAS = 5.0     # residuals beyond this many sigmas are outliers...
 MAX_REJECTS = 8         # ...unless this many come in a row (the level moved)
 MIN_EFFECTIVE = 20.0    # observations before a bucket lends its fit to new ones
+PRIOR_CACHE = 512       # batch sizes whose prior increments are kept (least recently made dropped)
 
 
 @kernel
@@ -274,9 +275,14 @@ class OnlineStepCosts:
             t = self.prior.step_ms(batch, 1.0 + np.arange(size) / batch)
             hit = (float(t[0]), t / t[0] - 1.0)
             self._increments[batch] = hit
-            if len(self._increments) > 512:
+            if len(self._increments) > PRIOR_CACHE:
                 self._increments.popitem(last=False)
         return hit
+
+    @property
+    def cached_batches(self) -> int:
+        """Batch sizes whose prior increments are cached (at most ``PRIOR_CACHE``)."""
+        return len(self._increments)
 
     def _bucket(self, batch: int) -> int:
         """The bucket of ``batch``; at its first use, it borrows the fit of

@@ -158,6 +158,9 @@ def choose_lengths(probs: np.ndarray, lengths: np.ndarray, batch: int,
     return out
 
 
+STEP_CACHE = 256  # batch sizes whose step times the budget keeps (least recently made dropped)
+
+
 class DraftBudget:
     """The budget as a proposer applies it each step: a cost model (fixed,
     or learned online on top of it as a prior), step times cached per batch
@@ -192,6 +195,11 @@ class DraftBudget:
         self._table = np.empty(0)  # scratch of ordinary steps (_choose_on_fit)
         self._rate = np.empty(self.calibrator.bins)
 
+    @property
+    def cached_batches(self) -> int:
+        """Batch sizes whose step times are cached here and in the online costs."""
+        return len(self._step_ms) + (self.costs.cached_batches if self.costs is not None else 0)
+
     def step_ms(self, batch: int, kept: int) -> np.ndarray:
         """Step times with 0..kept draft tokens in a batch of ``batch`` rows."""
         if self.costs is not None:
@@ -200,7 +208,7 @@ class DraftBudget:
         if table is None or len(table) <= kept:
             table = self.model.step_ms(batch, 1.0 + np.arange(max(kept, 16 * batch) + 1) / batch)
             self._step_ms[batch] = table
-            if len(self._step_ms) > 256:
+            if len(self._step_ms) > STEP_CACHE:
                 self._step_ms.popitem(last=False)
         return table
 

@@ -128,6 +128,12 @@ class ConsensusDrafter:
         return len(self._groups)
 
     @property
+    def group_tokens(self) -> int:
+        """Tokens the remembered groups hold (at most ``max_group_tokens``,
+        or one group's alone)."""
+        return self._group_tokens
+
+    @property
     def num_paths(self) -> int:
         """Paths added and not released."""
         return len(self._path_group) - len(self._free)

@@ -19,7 +19,9 @@ appended to it, stays in the half it started in. :meth:`rotate` drops the
 other half whole: its nodes are simply reused and its table swapped for a
 spare one that :meth:`tidy` cleared a slice a step, so dropping millions of
 nodes costs microseconds. Memory is committed by the OS as pages are first
-written, so an arena that never fills never costs its full size.
+written, so an arena that never fills never costs its full size, unless
+:meth:`commit` backs it all at once (the proposer does, at start: a server's
+memory then does not grow as its arena fills).
 """
 
 from __future__ import annotations
@@ -133,6 +135,20 @@ class SuffixForest:
         self._spare, self._spare_done = None, 0
         self.young = h
         return h
+
+    def commit(self) -> None:
+        """Back every page of the arrays now, rewriting what they hold (safe
+        at any time): the forest's resident memory is its full size
+        (:attr:`nbytes`) from here on, instead of growing towards it as nodes
+        and edges are first written, and no later call faults a page in."""
+        for a in [self._nodes, *self._tables, self._spare, self._dirty]:
+            if a is not None:
+                flat = a.reshape(-1)
+                step = max(1, 4096 // a.itemsize)
+                view = flat[::step]
+                np.add(view, 0, out=view)  # a write per page (a bare self-assignment is skipped)
+        if self._dirty is None:
+            self._spare_done = self._slots  # the spare's pages need no more writing
 
     def tidy(self, slots: int = TIDY_SLOTS, young_half_full: bool | None = None) -> None:
         """Bounded work a step, off the hot path: clear the next ``slots`` of

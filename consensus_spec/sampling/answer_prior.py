@@ -198,6 +198,11 @@ class AnswerPrior:
     def problems_seen(self) -> int:
         return len(self._seen)
 
+    def sizes(self) -> dict[str, list[int]]:
+        """What it holds: [entries, bound] (a server reports them)."""
+        return {"prior_problems": [len(self._seen), self._seen.maxlen or 0],
+                "prior_flips": [len(self._cache), CACHE_SIZE]}
+
     def _refit(self) -> None:
         """Refit the mixture when enough new problems came in (a tenth more;
         lock held): per band of path length (quartiles of the run's problems,

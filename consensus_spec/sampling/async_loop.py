@@ -27,8 +27,9 @@ from .results import SelfConsistencyRun
 from .stopping import StopRule
 from .waves import Schedule
 
-__all__ = ["run_paths_async"]
+__all__ = ["run_paths_async", "TASK_PREFIX"]
 
+TASK_PREFIX = "consensus_spec "  # the names of the tasks a run starts (a server counts them)
 ABORT_DRAIN_S = 1.0  # how long aborted paths may take to hand in their final output
 
 Generate = Callable[[str, Any, Any], AsyncIterator[Any]]  # (request id, prompt, params)
@@ -102,7 +103,7 @@ async def run_paths_async(
 
     def submit(paths: list[tuple[int, int]]) -> None:
         for key in paths:
-            tasks[key] = asyncio.create_task(consume(key))
+            tasks[key] = asyncio.create_task(consume(key), name=f"{TASK_PREFIX}{rid(*key)}")
         if paths and on_submit is not None:
             on_submit(len(paths))
 

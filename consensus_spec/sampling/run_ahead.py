@@ -94,6 +94,11 @@ def _ids(counts: Sequence[int], none: int) -> list[int | None]:
     return out + [None] * none
 
 
+def cache_sizes() -> dict[str, list[int]]:
+    """Run-ahead's memo: [entries held, bound]."""
+    return {"need_probability": [len(_NEED_CACHE), NEED_CACHE_SIZE]}
+
+
 def need_probability(counts: tuple[int, ...], none: int, looks: tuple[int, ...], n: int,
                      rule: StopRule, prior: AnswerPrior | None = None) -> float:
     """P(the stop rule stops at none of ``looks``) given the answers seen.

@@ -416,6 +416,17 @@ def _flip_probability(counts: tuple[int, ...], abstained: int, remaining: int) -
     return flip
 
 
+def lru_sizes(*functions) -> dict[str, list[int]]:
+    """Name -> [entries held, bound] of memoized functions."""
+    return {f.__name__: [f.cache_info().currsize, f.cache_info().maxsize] for f in functions}
+
+
+def cache_sizes() -> dict[str, list[int]]:
+    """The stop rules' memos (a server reports them: bounded, however long it runs)."""
+    from .answer_prior import _overtake
+    return lru_sizes(sequential_boundary, _beta_confidence, _flip_probability, _overtake)
+
+
 def _betabinom_pmf(k, n, a: float, b: float):
     from scipy.special import betaln, gammaln  # imported on use: keeps the package import light
     return np.exp(gammaln(n + 1) - gammaln(k + 1) - gammaln(n - k + 1)

@@ -54,13 +54,15 @@ from argparse import Namespace
 from collections import Counter
 from typing import Callable
 
+from ..sampling import run_ahead, stopping
 from ..sampling.answer_prior import AnswerPrior
 from ..sampling.results import StoppingTotals
 from ..sampling.run_ahead import RunAheadStats
+from ..voting import answers
 from . import PLUGIN_NAME, ROUTE
 from .options import BadRequest, Limits, parse_defaults
 from .protocol import SelfConsistencyRequest, is_many, parse_request, problem_json
-from .runs import error, new_run_id, run_request, sse, until_disconnect
+from .runs import error, new_run_id, run_request, sse, tasks_held, until_disconnect
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handler and format
 
@@ -173,6 +175,10 @@ class _State:
                     "paths_in_flight": sum(self.runs.get(r, 0) for r in mine)}
         return {"requests_active": len(self.runs), "paths_in_flight": sum(self.runs.values()),
                 "client_ids_held": len(self.client_ids), "planners_held": len(self.wants),
+                "tasks_held": tasks_held(),
+                # memos the votes and run-ahead keep: [entries, bound]
+                "caches": {**stopping.cache_sizes(), **run_ahead.cache_sizes(),
+                           **answers.cache_sizes(), **self.prior.sizes()},
                 "requests_total": self.requests_total,
                 "requests_unfinished": self.requests_unfinished,
                 "limits": {"max_n": self.limits.max_n, "max_prompts": self.limits.max_prompts,

@@ -19,6 +19,7 @@ import logging
 import uuid
 from typing import Any, Callable
 
+from ..sampling.async_loop import TASK_PREFIX, run_paths_async
 from ..sampling.routing import data_parallel_rank
 from ..sampling.run_ahead import RunAhead
 from .options import RunOptions
@@ -42,6 +43,23 @@ def new_run_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:16]}"
 
 
+def _task(coro, route: str, role: str) -> asyncio.Task:
+    """A task named as this package's (``GET .../state`` counts them)."""
+    task = asyncio.ensure_future(coro)
+    task.set_name(f"{TASK_PREFIX}{route} {role}")
+    return task
+
+
+def tasks_held() -> int:
+    """This package's tasks alive in the running loop (requests' runs, their
+    paths, disconnect watchers, stream readers): none once every request ended."""
+    try:
+        tasks = asyncio.all_tasks()
+    except RuntimeError:  # no running loop: no task runs
+        return 0
+    return sum(t.get_name().startswith(TASK_PREFIX) for t in tasks)
+
+
 async def run_request(st, raw_request, run_id: str, prompts: list, make_params: Callable,
                       n: int, opts: RunOptions, max_tokens: int, *,
                       on_vote: Callable | None = None, on_problem_done: Callable | None = None,
@@ -49,8 +67,6 @@ async def run_request(st, raw_request, run_id: str, prompts: list, make_params: 
     """Sample and vote ``prompts`` (engine inputs) through the server's
     engine; the run is counted in ``st`` while it lasts.  Cancelling it (a
     client that left) aborts every path it started."""
-    from ..sampling.async_loop import run_paths_async
-
     costs = engine_costs()
     objective = "throughput" if st.run_ahead_mode == "throughput" else "latency"
     run_ahead = RunAhead(opts.stop_rule, costs, objective) if st.measured_run_ahead else None
@@ -115,8 +131,8 @@ async def until_disconnect(raw_request, work, route: str):
     from fastapi.responses import JSONResponse
     from vllm.entrypoints.serve.utils.api_utils import listen_for_disconnect
 
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(listen_for_disconnect(raw_request))
+    task = _task(work, route, "run")
+    watcher = _task(listen_for_disconnect(raw_request), route, "disconnect watcher")
     try:
         await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -146,10 +162,11 @@ def sse(run: Callable[[], Any], events: asyncio.Queue, finish: Callable[[Any], l
         return f"data: {json.dumps(obj)}\n\n"
 
     async def stream():
-        task = asyncio.ensure_future(run())
+        task = _task(run(), route, "run")
+        getter = None
         try:
             while True:
-                getter = asyncio.ensure_future(events.get())
+                getter = _task(events.get(), route, "stream reader")
                 await asyncio.wait([getter, task], timeout=KEEPALIVE_S,
                                    return_when=asyncio.FIRST_COMPLETED)
                 if getter.done():
@@ -172,9 +189,10 @@ def sse(run: Callable[[], Any], events: asyncio.Queue, finish: Callable[[Any], l
                         yield data(event)
                 yield "data: [DONE]\n\n"
                 return
-        finally:
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        finally:  # a client gone mid-wait leaves both pending: the reader would wait forever
+            pending = [t for t in (task, getter) if t is not None and not t.done()]
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
     return StreamingResponse(stream(), media_type="text/event-stream")

@@ -35,6 +35,9 @@ class ProposerOptions:
     remember_costs: bool = True
     step_costs_dir: str = ""
     warmup: bool = True   # compile and run the kernels at construction, not on the first request
+    # back the trie arena's pages at start: a server's memory is the arena's bound
+    # (arena_bytes) from the first request on, not growing to it over hours as it fills
+    commit_arena: bool = True
     max_failures: int = 3  # failing steps in a row after which drafting is switched off
 
     def __post_init__(self):

@@ -105,10 +105,14 @@ class ConsensusProposer:
         self._flat = self._offsets = np.zeros(0, np.int64)  # the drafts packed for vLLM's lists
         self._reset()
         self.warmup_s = self._warm_up() if self.proposer_options.warmup else 0.0
-        logger.info("consensus_spec proposer: k=%d, cost model %s%s, %s (warm-up %.2f s)",
-                    self.num_speculative_tokens, name,
+        if self.proposer_options.commit_arena:  # after the warm-up's last reset: this arena stays
+            self.drafter.forest.commit()
+        logger.info("consensus_spec proposer: k=%d, cost model %s%s, %s (warm-up %.2f s, trie "
+                    "arena %d MB%s)", self.num_speculative_tokens, name,
                     " (prior; step costs learned online)" if self.budget is not None
-                    and self.budget.costs is not None else "", self.drafter_options, self.warmup_s)
+                    and self.budget.costs is not None else "", self.drafter_options, self.warmup_s,
+                    self.drafter.arena_bytes >> 20,
+                    ", committed" if self.proposer_options.commit_arena else "")
 
     def _reset(self) -> None:
         """Fresh drafting state (trie forest, row tracking, calibration); step
@@ -347,11 +351,32 @@ class ConsensusProposer:
             "arena_bytes": self.drafter.arena_bytes, "live_groups": self.drafter.num_live_groups,
             "live_paths": self.drafter.num_paths, "path_slots": self.drafter.path_slots,
             "parked_paths": rows.num_parked, "paths_released": rows.paths_released,
-            "evictions": self.drafter.evictions,
+            "evictions": self.drafter.evictions, "group_tokens": self.drafter.group_tokens,
+            "parked_keys": rows.num_parked_keys,
+            "cost_cache_entries": self.budget.cached_batches if self.budget is not None else 0,
+            "bounds": self.bounds(),
             # which of vLLM's functions this package patched in this process
             "vllm_patches": compat.active(),
             **self._cost_counters(),
         }
+
+    def bounds(self) -> dict:
+        """What each counter of :meth:`counters` stays within for the engine's
+        life, however many requests pass (where each bound is set: the
+        docstrings of :mod:`consensus_spec.drafting.drafter` and
+        :mod:`.rows`); the arena's bytes are fixed at start."""
+        from ..budget.online import PRIOR_CACHE
+        from ..budget.policy import STEP_CACHE
+
+        o = self.drafter_options
+        paths = self._max_num_seqs + self.rows.max_parked  # rows in the batch, plus the parked
+        return {"trie_nodes": o.max_trie_nodes,
+                # the LRU keeps max_group_tokens, or one group alone (its prompt and tail)
+                "group_tokens": max(o.max_group_tokens, self.max_model_len + o.prompt_tokens),
+                "parked_paths": self.rows.max_parked, "live_paths": paths, "live_groups": paths,
+                "path_slots": max(64, 1 << max(0, paths - 1).bit_length()),
+                "arena_bytes": self.drafter.arena_bytes,
+                "cost_cache_entries": PRIOR_CACHE + STEP_CACHE}
 
     def _cost_counters(self) -> dict:
         costs = self.budget.costs if self.budget is not None else None

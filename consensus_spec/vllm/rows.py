@@ -120,6 +120,10 @@ class RowTracker:
         return self._num_parked
 
     @property
+    def max_parked(self) -> int:
+        return self._max_parked
+
+    @property
     def num_parked_keys(self) -> int:
         """Distinct (length, hash) among the parked paths."""
         return len(self._parked)

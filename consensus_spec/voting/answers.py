@@ -344,6 +344,11 @@ def _exact_number(s: str) -> str | None:
 # ---------------------------------------------------------------------------
 
 
+def cache_sizes() -> dict[str, list[int]]:
+    """[entries held, bound] of the math-verify result caches (this process's)."""
+    return _ENGINE.cache_sizes()
+
+
 def answers_equal(a: str | None, b: str | None, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
     """True if two extracted answers are mathematically the same.
 

@@ -72,6 +72,12 @@ class _MathEngine:
             _remember(self._verified, pair, result, self.CACHE_SIZE)
         return result
 
+    def cache_sizes(self) -> dict[str, list[int]]:
+        """[entries held, bound] of the parent's result caches."""
+        with self._cache_lock:
+            return {"math_parsed": [len(self._parsed), self.CACHE_SIZE],
+                    "math_verified": [len(self._verified), self.CACHE_SIZE]}
+
     def _fingerprint(self, text: str, timeout_s: float) -> list[complex] | bool:
         """Value(s) at a fixed test point (see the worker); True if parsed but
         not evaluable (sets, equations...); False if unparseable or timed out."""
