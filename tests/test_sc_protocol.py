@@ -80,6 +80,10 @@ def test_chat_with_n_returns_every_path_unless_the_vote_is_asked():
     bad = _bad({**chat, "early_stop": True}, CHAT)  # every path, and a stop: a contradiction
     assert bad.param == "early_stop" and "choices='vote'" in str(bad)
     assert _bad({**chat, "choices": "some"}, CHAT).param == "choices"
+    assert _bad({**chat, "schedule": "1,rest"}, CHAT).param == "schedule"  # never replaced silently
+    # every path, weighted: no stop rule, so nothing to refuse
+    _, opts = parse_openai({**chat, "voting": {"weighted": True}}, CHAT, Limits(), {})
+    assert opts.voting.weighted and opts.stop_rule is None
 
 
 def test_server_defaults_sit_under_the_requests_own_fields():

@@ -35,7 +35,6 @@ from typing import Any
 from pydantic import ValidationError
 
 from ..sampling.results import ProblemResult, Sample
-from ..sampling.waves import REST, Schedule
 from .options import BadRequest, Limits, RunOptions, resolve_options, split_options
 from .protocol import problem_json
 
@@ -128,14 +127,14 @@ def parse_openai(body: Any, kind: str, limits: Limits, defaults: dict):
                                    f"{limits.max_prompts} a request")
     if req.seed is not None and req.seed + count * n > INT64_MAX:
         raise BadRequest("seed", "seed + prompts * n must fit in 64 bits")
+    choices = opts.choices or ("paths" if kind == CHAT and n > 1 else "vote")
+    if choices == "paths":  # every path runs: no stop, one wave
+        for name in ("early_stop", "schedule"):
+            if body.get(name) not in (None, False):
+                raise BadRequest(name, "choices='paths' returns every path, so all n run at "
+                                       "once: ask choices='vote' for one early-stopped vote")
+        opts = opts.model_copy(update={"early_stop": False, "schedule": None})
     options = resolve_options(opts, limits)
-    choices = options.choices or ("paths" if kind == CHAT and n > 1 else "vote")
-    if choices == "paths":
-        if "early_stop" in body and body["early_stop"] not in (None, False):
-            raise BadRequest("early_stop", "choices='paths' returns every path, so all n run: "
-                                           "ask choices='vote' for one early-stopped vote")
-        options = dataclasses.replace(options, stop_rule=None, choices="paths",
-                                      schedule=Schedule(waves=(REST,), capacity=options.schedule.capacity))
     return req, dataclasses.replace(options, choices=choices)
 
 

@@ -2,7 +2,7 @@
 
     python -m evals stop-rules [--traces FILE ...] [--limit N] [--perms 20]
                              [--waves 1] [--out results/stopping.json] [--plot PNG]
-                             [--per-problem] [--write-prior JSON]
+                             [--per-problem] [--prior others|shipped|JSON] [--write-prior JSON]
     python -m evals stop-rules --from-json results/stopping.json [--out ...] [--plot PNG]
 
 Each problem's recorded completions are answered and clustered once
@@ -49,15 +49,13 @@ from consensus_spec.sampling.stopping import PEERS, StopRule, should_stop_ids, s
 
 from ..options import add_trace_args, trace_sets, write_json
 from ..traces import load_tokenizer
-from .stop_rules_cv import GUARANTEED, OURS, choose_default, loso, markdown, meets, pct, plot, summary
+from .stop_rules_cv import (FOLD_TITLES, GUARANTEED, OURS, choose_default, loso, markdown, meets,
+                            nested_sources, pct, plot, summary)
 from .vote_traces import VoteTrace, load_vote_traces
 
 DEFAULT_TRACES = ("gsm8k_qwen3_4b_n8.jsonl", "addsub_codex002_n40.jsonl", "svamp_pot_codex002_n30.jsonl")
 HARD_SHARE = 0.6  # full-N winner share below this marks a hard problem
 BAYES_ERRORS = (0.001, 0.002, 0.003, 0.005, 0.01)
-FOLD_TITLES = ("Leave-one-set-out, our rules (sets the default)",
-               "Leave-one-set-out, rules with a guarantee over every look",
-               "Leave-one-set-out, any rule (peers included)")
 
 
 @dataclass(frozen=True)
@@ -243,17 +241,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def describe_looks(waves) -> str:
     return "every path" if waves == [1] else "waves " + ",".join("rest" if w is None else str(w) for w in waves)
-
-
-def nested_sources(names: list[str]) -> dict[str, list[tuple[str, ...]]]:
-    """Per set, the sets each of its priors is fitted on: all the others
-    (its own figures), and for each fold that holds out another set, the
-    rest (its figures as a tuning set there)."""
-    out = {}
-    for s in names:
-        others = tuple(x for x in names if x != s)
-        out[s] = [others] + [tuple(x for x in others if x != held) for held in others]
-    return out
 
 
 def main(argv=None) -> int:

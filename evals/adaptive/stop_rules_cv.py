@@ -9,6 +9,9 @@ from __future__ import annotations
 
 TARGET_AGREE, TARGET_WORST, TARGET_GOLD_GAP = 0.995, 0.99, 0.005
 OURS = ("bayes", "decided", "sequential")  # the kinds the default is chosen from
+FOLD_TITLES = ("Leave-one-set-out, our rules (sets the default)",
+               "Leave-one-set-out, rules with a guarantee over every look",
+               "Leave-one-set-out, any rule (peers included)")
 GUARANTEED = ("decided", "sequential")  # kinds whose error holds over all looks
 
 
@@ -38,6 +41,17 @@ def meets(r: dict) -> bool:
     return (r["agreement_perm_mean"] >= TARGET_AGREE and r["agreement_perm_worst"] >= TARGET_WORST
             and (nom is None or 1.0 - r["agreement_perm_mean"] <= nom + 1e-12)
             and (gap is None or gap <= TARGET_GOLD_GAP + 1e-12))
+
+
+def nested_sources(names: list[str]) -> dict[str, list[tuple[str, ...]]]:
+    """Per set, the sets each of its priors is fitted on: all the others
+    (its own figures), and for each fold that holds out another set, the
+    rest (its figures as a tuning set there)."""
+    out = {}
+    for s in names:
+        others = tuple(x for x in names if x != s)
+        out[s] = [others] + [tuple(x for x in others if x != held) for held in others]
+    return out
 
 
 def tuning_figures(sets: dict[str, dict], name: str, rule: str, tune: list[str]) -> dict:
