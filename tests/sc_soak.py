@@ -288,6 +288,10 @@ def send_good(base_url: str, body: dict, route: str = ROUTE) -> dict:
             r = post(base_url, body, route=route)
             status, events = r.status_code, [r.json(), "[DONE]"]
         count = len(body["prompt"]) if isinstance(body.get("prompt"), list) else 1
+        every = body.get("choices") == "paths" or (  # n choices a prompt, each with the vote
+            route.endswith("/chat/completions") and body.get("n", 1) > 1 and body.get("choices") != "vote")
+        if every:
+            count *= body.get("n", 1)
         if route == ROUTE:
             final = events[-2] if len(events) >= 2 and events[-1] == "[DONE]" else {}
             votes, usage = (final.get("results", [final]) if final else []), final.get("usage", {})

@@ -115,7 +115,7 @@ def fake_model(tmp_path):
     (["--waves", "0,rest"], "--waves expects"),
     (["--waves", "rest,4"], "--waves expects"),
     (["--waves", "four"], "--waves expects"),
-    (["--waves", "all", "--early-stop"], "no configuration left"),
+    (["--waves", "all", "--early-stop", "--check", "wave"], "no configuration left"),
     (["--capacity", "0"], "--capacity must be >= 1"),
     (["--check", "step"], "invalid choice"),
     (["--option", "no_such_option=1"], "bad --option"),

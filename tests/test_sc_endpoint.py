@@ -81,7 +81,7 @@ def test_early_stop_samples_fewer_paths_and_aborts(server, probs):
     r = sc_soak.post(server.base_url, body)
     assert r.status_code == 200, r.text
     out = r.json()
-    assert out["early_stop"] == "sequential(error=0.2, min=3)" and out["schedule"] == "2"
+    assert out["early_stop"] == "bayes(error=0.002)" and out["schedule"] == "2"
     results = out["results"]
     assert len(results) == 6 and "answer" not in out
     stopped = [x for x in results if x["stopped_early"]]
@@ -89,7 +89,8 @@ def test_early_stop_samples_fewer_paths_and_aborts(server, probs):
     for x in stopped:
         assert 0 < x["paths_stopped"] == 16 - x["paths_finished"]
         assert x["paths_sampled"] <= 16 and x["tokens_saved_estimate"] >= 0  # 0: long paths cut
-        assert x["stop_reason"].startswith("sequential(error=0.2, min=3): stopped after ")
+        assert x["stop_reason"].startswith("bayes(error=0.002): stopped after ")
+        assert 0 <= x["paths_ended_in_flight"] <= x["paths_stopped"]
     assert out["usage"]["completion_tokens"] == sum(x["tokens"] for x in results)
     # seeds do not repeat paths once drafting is on, so the votes vary from run to run;
     # the model solves about 56% of its test problems (serve-sc)

@@ -85,7 +85,8 @@ def test_logprobs_and_token_ids_are_the_representative_paths(client, probs):
 def test_chat_completions_create_votes_over_chat_paths(client, probs):
     out = client.chat.completions.create(
         model=server_soak.SERVED_NAME, n=6, max_tokens=96, logprobs=True, top_logprobs=2,
-        messages=[{"role": "user", "content": probs[2]["question"]}])
+        messages=[{"role": "user", "content": probs[2]["question"]}],
+        extra_body={"choices": "vote"})
     assert out.object == "chat.completion" and len(out.choices) == 1
     c = out.choices[0]
     vote = _vote(c)
@@ -137,7 +138,9 @@ def test_litellm_calls_the_base_url_as_an_openai_server(sc_server, probs):
     chat = litellm.completion(model="openai/" + server_soak.SERVED_NAME, api_base=base,
                               api_key="-", n=4, max_tokens=96,
                               messages=[{"role": "user", "content": probs[5]["question"]}])
-    assert len(chat.choices) == 1 and chat.choices[0].message.content
+    # n > 1 on chat: n choices, every path (lighteval reads them as n samples)
+    assert len(chat.choices) == 4 and all(c.message.content for c in chat.choices)
+    assert [c.index for c in chat.choices] == [0, 1, 2, 3]
     assert chat.usage.completion_tokens > 0
     text = litellm.text_completion(model="openai/" + server_soak.SERVED_NAME, api_base=base,
                                    api_key="-", prompt=probs[5]["prompt"], n=4, max_tokens=96)
