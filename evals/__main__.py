@@ -24,6 +24,7 @@ GROUPS = {
         ("stop-rules", "replay adaptive stopping rules on recorded traces"),
         ("waves", "replay waves + stopping with drafting: projected time to all answers"),
         ("waves-sim", "simulate wave schedules and stop rules on a math run's samples"),
+        ("forecast", "fit and check the forecast of running paths' answers on recorded traces"),
     ),
     "evals.math": (  # a real engine on math sets
         ("math", "self-consistency math eval: accuracy and speed per drafting method"),

@@ -274,18 +274,10 @@ class AnswerPrior:
             raise ValueError("need lead >= second >= 0, other >= 0 and remaining >= 0")
         if lead - second >= remaining:
             return 0.0  # the runner-up can at best draw level
-        with self._lock:
-            if self.learn:
-                self._refit()
-            band = 0 if self.edges is None or length is None else int(np.searchsorted(self.edges, length))
-            if self.edges is not None and length is None:
-                band = -1  # no length: the run's problems alike
-            key = (lead, second, other, remaining, band)
-            hit = self._cache.get(key)
-            if hit is not None:
-                return hit
-            weights = self.weights.mean(axis=0) if band == -1 else self.weights[band]
-            version = self.version
+        key = (lead, second, other, remaining)
+        hit, weights, version, key = self._cached(key, length)
+        if hit is not None:
+            return hit
         branches = self._branches(lead, second, other)
         top = max(b[0].max() for b in branches)
         flip = total = 0.0
@@ -293,13 +285,45 @@ class AnswerPrior:
             w = weights * np.exp(log - top)
             flip += float(w @ _overtake(gap, remaining)[way])
             total += float(w.sum())
-        flip = min(1.0, max(0.0, flip / total))
+        return self._remember(key, version, min(1.0, max(0.0, flip / total)))
+
+    def leader_share(self, lead: int, second: int, other: int, length: float | None = None) -> float:
+        """The posterior mean of the leader's share: the chance that the
+        next path votes for the leader (arguments as :meth:`flip_probability`)."""
+        lead, second, other = (operator.index(x) for x in (lead, second, other))
+        if min(second, other) < 0 or lead < second:
+            raise ValueError("need lead >= second >= 0 and other >= 0")
+        hit, weights, version, key = self._cached(("share", lead, second, other), length)
+        if hit is not None:
+            return hit
+        branches = self._branches(lead, second, other)
+        top = max(b[0].max() for b in branches)
+        share = total = 0.0
+        for log, _, way in branches:
+            w = weights * np.exp(log - top)
+            share += float(w @ (self._p2 if way else self._p1))
+            total += float(w.sum())
+        return self._remember(key, version, min(1.0, max(0.0, share / total)))
+
+    def _cached(self, key: tuple, length: float | None):
+        """(cached value or None, weights for ``length``, version, full key)."""
+        with self._lock:
+            if self.learn:
+                self._refit()
+            band = 0 if self.edges is None or length is None else int(np.searchsorted(self.edges, length))
+            if self.edges is not None and length is None:
+                band = -1  # no length: the run's problems alike
+            key = (*key, band)
+            weights = self.weights.mean(axis=0) if band == -1 else self.weights[band]
+            return self._cache.get(key), weights, self.version, key
+
+    def _remember(self, key: tuple, version: int, value: float) -> float:
         with self._lock:
             if len(self._cache) >= CACHE_SIZE:
                 self._cache.clear()
             if version == self.version:
-                self._cache[key] = flip
-        return flip
+                self._cache[key] = value
+        return value
 
 
 @lru_cache(maxsize=2048)  # about 14 MB at most

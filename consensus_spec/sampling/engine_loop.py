@@ -21,6 +21,7 @@ from ..voting.answers import DEFAULT_TIMEOUT_S, extract_answer
 from .results import ProblemResult, Sample, SelfConsistencyRun, SpecDecodeStats
 from .routing import request_pinning
 from .answer_prior import AnswerPrior
+from .forecast import ForecastModel, InFlightCheck
 from .stopping import StopRule
 from .stopping import should_stop as rule_says_stop
 from ..voting.vote import VoteResult, logprob_weights, majority_vote
@@ -39,6 +40,7 @@ __all__ = [
 ]
 
 WEIGHT_METHODS = ("exp_mean", "softmax")
+FORECAST_STRIDE = 8  # engine steps between votes on running paths (each reads their text)
 
 
 @dataclass(frozen=True)
@@ -186,6 +188,16 @@ class _Accumulator:
         return "".join(self.texts)
 
 
+def check_forecast(forecast: Any, schedule: Schedule, stop_rule: StopRule | None) -> None:
+    """A forecast feeds a ``bayes`` rule that may stop with paths running."""
+    if forecast is not True and not isinstance(forecast, ForecastModel):
+        raise ValueError(f"forecast must be True, False or a ForecastModel, got {forecast!r}")
+    if stop_rule is None or stop_rule.kind != "bayes":
+        raise ValueError("forecast needs the bayes stop rule (early_stop=True or StopRule(kind='bayes'))")
+    if schedule.check == "wave":
+        raise ValueError("forecast votes on running paths: it needs Schedule(check='index' or 'path')")
+
+
 def check_run_options(schedule: Schedule | None, stop_rule: StopRule | None,
                       voting: Voting | None) -> tuple[Schedule, Voting]:
     """Defaults and the one cross-option check both engine loops make."""
@@ -210,17 +222,25 @@ class PathBook:
     logprobs in its :class:`Sample`.  ``prior``: the run's
     :class:`AnswerPrior` for a ``bayes`` rule (default: a new learning one);
     every problem's final vote is shown to it as soon as it is known.
+    ``forecast`` (True or a :class:`ForecastModel`; ``bayes`` rules only):
+    :meth:`progress` also votes on the running paths' partial texts.
     """
 
     def __init__(self, num: int, n: int, schedule: Schedule, stop_rule: StopRule | None,
                  voting: Voting, max_tokens: int,
                  on_vote: Callable[[int, list, int, bool], None] | None = None,
                  idle_rows: Callable[[], int] | None = None, run_ahead: Any = None,
-                 keep_outputs: bool = False, prior: AnswerPrior | None = None):
+                 keep_outputs: bool = False, prior: AnswerPrior | None = None,
+                 forecast: bool | ForecastModel | None = None):
         self.n, self.schedule, self.stop_rule, self.voting = n, schedule, stop_rule, voting
         if prior is None and stop_rule is not None and stop_rule.kind == "bayes":
             prior = AnswerPrior.learning()
         self.prior = prior
+        self.in_flight = None
+        if forecast is not None and forecast is not False:
+            check_forecast(forecast, schedule, stop_rule)
+            self.in_flight = InFlightCheck(stop_rule, prior, forecast if forecast is not True else None,
+                                           voting.extract, voting.timeout_s)
         if run_ahead is not None and getattr(run_ahead, "prior", None) is None:
             run_ahead.prior = prior
         self._votes: dict[int, tuple[VoteResult, list[float] | None]] = {}  # final votes
@@ -271,12 +291,43 @@ class PathBook:
         to_submit, to_abort = self.planner.on_finish(p, k, self.samples[p][k].answer)
         for a in to_abort:
             self.aborted.setdefault(a[0], {})[a[1]] = self.accs.pop(a)
-        if self.prior is not None and self.planner.done(p):
+        if self.prior is not None and self.planner.done(p) and p not in self._votes:
             vote = self._votes[p] = self.vote_of(p)
             done = self._finished(p)
             self.prior.observe([c.count for c in vote[0].classes], vote[0].num_abstained,
                                sum(x.num_tokens for x in done) / len(done) if done else None)
         return self._started(to_submit), to_abort
+
+    def progress(self) -> tuple[list, list]:
+        """With a forecast: every problem with running paths takes the vote
+        that counts them (:meth:`PathPlanner.on_progress`); returns (to
+        submit, to abort) over all of them."""
+        if self.in_flight is None:
+            return [], []
+        submit, abort = [], []
+        for p in sorted({p for p, _ in self.accs}):
+            got = self.planner.on_progress(p, lambda done, answers, running, unstarted, p=p:
+                                           self.in_flight(
+                                               answers, [self.samples[p][k].num_tokens for k in done],
+                                               [(self.accs[p, k].num_tokens,
+                                                 lambda k=k: self.accs[p, k].text) for k in running],
+                                               unstarted))
+            if got[1]:
+                self.last_look[p] = (len(self.samples[p]), self.planner.num_unsent(p))
+            self._abort(got[1])
+            submit += self._started(got[0])
+            abort += got[1]
+        return submit, abort
+
+    def _abort(self, keys: list[tuple[int, int]]) -> None:
+        for a in keys:
+            self.aborted.setdefault(a[0], {})[a[1]] = self.accs.pop(a)
+        for p in {a[0] for a in keys}:
+            if self.prior is not None and self.planner.done(p) and p not in self._votes:
+                vote = self._votes[p] = self.vote_of(p)
+                done = self._finished(p)
+                self.prior.observe([c.count for c in vote[0].classes], vote[0].num_abstained,
+                                   sum(x.num_tokens for x in done) / len(done) if done else None)
 
     def _started(self, paths: list[tuple[int, int]]) -> list[tuple[int, int]]:
         for key in paths:
@@ -346,6 +397,7 @@ def run_paths(
     render: Callable[[Any], Any] | None = None,
     on_problem_done: Callable[[int], None] | None = None,
     prior: AnswerPrior | None = None,
+    forecast: bool | ForecastModel | None = None,
 ) -> SelfConsistencyRun:
     """Engine-level loop behind :func:`self_consistency` (vLLM-agnostic).
 
@@ -358,13 +410,18 @@ def run_paths(
     capacity; ``stop_rule`` (None: never stop early) is asked with the
     unweighted answers.  ``on_problem_done(problem)`` is called once per
     problem as soon as its vote is final; ``prior``: the stop rule's
-    :class:`AnswerPrior` (see :class:`PathBook`).  Returns the run without
+    :class:`AnswerPrior` (see :class:`PathBook`); ``forecast``: every
+    :data:`FORECAST_STRIDE` steps, vote on running paths' forecasts too
+    (needs DELTA outputs).  Returns the run without
     spec-decode stats (the caller reads those from vLLM).
     """
     schedule, voting = check_run_options(schedule, stop_rule, voting)
     if engine.has_unfinished_requests():
         raise RuntimeError("self_consistency needs an idle engine")
-    book = PathBook(len(prompts), n, schedule, stop_rule, voting, max_tokens, prior=prior)
+    if forecast and not delta:
+        raise ValueError("forecast reads running paths' text: it needs DELTA outputs")
+    book = PathBook(len(prompts), n, schedule, stop_rule, voting, max_tokens, prior=prior,
+                    forecast=forecast)
     planner = book.planner
     run_id = uuid.uuid4().hex[:8]
     rid = lambda p, k: f"sc{run_id}-{p}-{k}"  # noqa: E731
@@ -399,6 +456,14 @@ def run_paths(
                 submit(to_submit)
                 if on_problem_done is not None and book.done(key[0]):
                     on_problem_done(key[0])
+            if book.in_flight is not None and steps % FORECAST_STRIDE == 0:
+                to_submit, to_abort = book.progress()
+                if to_abort:
+                    engine.abort_request([rid(p, k) for p, k in to_abort])
+                submit(to_submit)
+                if on_problem_done is not None:
+                    for p in sorted({p for p, _ in to_abort}):
+                        on_problem_done(p)
             if not engine.has_unfinished_requests():
                 submit(book.admit())
     except BaseException:

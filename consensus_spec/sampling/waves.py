@@ -143,6 +143,7 @@ class Schedule:
 ALL_AT_ONCE = Schedule(waves=(REST,))
 
 StopCheck = Callable[[int, list, int], bool]
+RunningCheck = Callable[[list, list, list, int], bool]
 
 
 class _Problem:
@@ -259,17 +260,37 @@ class PathPlanner:
             self._unopened.pop(p, None)
             return self.admit(), []
         if self._vote_says_stop(p, st):
-            abort = [(p, k) for k in sorted(st.inflight)]
-            self.num_inflight -= len(abort)
-            st.inflight.clear()
-            st.opened = st.next_path  # nothing more to send
-            self.stopped.add(p)
-            self._num_done += 1
-            self._unopened.pop(p, None)
-            return self.admit(), abort
+            return self._stop(p, st)
         if st.checked > st.wave or (self.schedule.check == "path" and finished == st.opened):
             self._open_next(p)  # every opened wave finished: the next one is due
         return self.admit(), []
+
+    def on_progress(self, p: int, check: RunningCheck) -> tuple[list, list]:
+        """A vote that counts the paths still running (their forecasts):
+        ``check(paths, answers, running, remaining)`` is asked with the
+        started paths that finished and their answers (in path order), the
+        running paths and the number not started; if it says stop, the
+        problem stops as after :meth:`on_finish`.  Paths start in path
+        order, so the started paths are a prefix, whichever of them finished
+        first.  Returns (paths to submit, paths to abort)."""
+        st = self.problems.get(p)
+        if st is None or p in self.stopped or len(st.answers) == self.n or not st.inflight \
+                or self.stop_check is None:
+            return [], []
+        paths = [k for k in range(st.next_path) if k in st.by_path]
+        if check(paths, [st.by_path[k] for k in paths], sorted(st.inflight), self.n - st.next_path):
+            return self._stop(p, st)
+        return [], []
+
+    def _stop(self, p: int, st: _Problem) -> tuple[list, list]:
+        abort = [(p, k) for k in sorted(st.inflight)]
+        self.num_inflight -= len(abort)
+        st.inflight.clear()
+        st.opened = st.next_path  # nothing more to send
+        self.stopped.add(p)
+        self._num_done += 1
+        self._unopened.pop(p, None)
+        return self.admit(), abort
 
     def _vote_says_stop(self, p: int, st: _Problem) -> bool:
         """Take the votes now due; advances ``st.checked`` past finished waves."""

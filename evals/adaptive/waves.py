@@ -30,7 +30,7 @@ import random
 import sys
 import time
 from collections import Counter, deque
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from ..options import add_option_arg, add_trace_args, fail, parse_options, trace_sets, write_results
 from ..replay.bench import CpuTimed, add_table_args, load_tables
@@ -38,6 +38,7 @@ from ..replay.drafters import make_drafter
 from ..replay.engine import Queued, replay
 from ..replay.projection import run_ms
 from ..traces import Problem, TraceError, load_problems, load_tokenizer, max_len
+from .forecast import PathTexts
 from .vote_traces import load_vote_traces, path_planner, winner
 
 DEFAULT_TRACES = ("gsm8k_qwen3_4b_n8.jsonl", "addsub_codex002_n40.jsonl")
@@ -45,16 +46,46 @@ METHODS = ("none", "consensus")
 
 
 class WaveAdmission(Queued):
-    """Paths enter the replay as a PathPlanner releases them."""
+    """Paths enter the replay as a PathPlanner releases them.  With
+    ``in_flight`` (a :class:`~consensus_spec.sampling.forecast.InFlightCheck`),
+    every ``stride`` steps each problem with running paths also takes the
+    vote that counts them (:meth:`PathPlanner.on_progress`): ``answers``
+    and ``lengths`` per problem and path, ``texts(p, path, tokens)`` the
+    partial text."""
 
-    def __init__(self, planner, class_ids: list[list[int | None]]):
+    def __init__(self, planner, class_ids: list[list[int | None]], in_flight=None,
+                 answers=None, lengths=None, texts=None, stride: int = 8):
         super().__init__(planner.admit())
         self.planner, self.class_ids = planner, class_ids
+        self.in_flight, self.answers, self.lengths, self.texts = in_flight, answers, lengths, texts
+        self.stride, self.steps = stride, 0
+
+    def progress(self, running: dict[tuple[int, int], int]) -> list[tuple[int, int]]:
+        self.steps += 1
+        if self.in_flight is None or self.steps % self.stride:
+            return []
+        by_problem: dict[int, dict[int, int]] = {}
+        for (p, k), tokens in running.items():
+            by_problem.setdefault(p, {})[k] = tokens
+        aborts = []
+        for p, paths in by_problem.items():
+            def check(done, _ids, run, unstarted, p=p, paths=paths):
+                return self.in_flight([self.answers[p][k] for k in done],
+                                      [self.lengths[p][k] for k in done],
+                                      [(paths.get(k, 0), lambda k=k: self.texts(p, k, paths.get(k, 0)))
+                                       for k in run], unstarted)
+            submit, abort = self.planner.on_progress(p, check)
+            self.queue.extend(submit)
+            aborts += self._running(abort)
+        return aborts
 
     def finished(self, p: int, path: int) -> list[tuple[int, int]]:
         """Paths to abort that are running (those still queued are dropped)."""
         submit, abort = self.planner.on_finish(p, path, self.class_ids[p][path])
         self.queue.extend(submit)
+        return self._running(abort)
+
+    def _running(self, abort: list[tuple[int, int]]) -> list[tuple[int, int]]:
         if not abort:
             return []
         queued = set(self.queue) & set(abort)
@@ -75,29 +106,89 @@ def paired_sets(path: str, tokenizer, limit: int | None):
     if len(kept) < len(problems):
         print(f"{os.path.basename(path)}: left out {len(problems) - len(kept)} problems without "
               f"exactly {n} completions", file=sys.stderr)
-    return kept, [votes[p.id].ids for p in kept], [votes[p.id].correct for p in kept], n
+    return kept, [votes[p.id] for p in kept], [votes[p.id].correct for p in kept], n
 
 
 def shuffled(problems: list[Problem], ids, order: int):
-    """Path order ``order`` (0: as recorded; else a seeded shuffle per problem)."""
-    if order == 0:
-        return problems, ids
+    """Path order ``order`` (0: as recorded; else a seeded shuffle per
+    problem): the problems, their class ids and each path's recorded number."""
     rng = random.Random(order)
-    out_p, out_i = [], []
+    out_p, out_i, out_k = [], [], []
     for prob, cls in zip(problems, ids):
         idx = list(range(len(cls)))
-        rng.shuffle(idx)
-        out_p.append(replace(prob, completions=[prob.completions[i] for i in idx]))
+        if order:
+            rng.shuffle(idx)
+        out_p.append(replace(prob, completions=[prob.completions[i] for i in idx]) if order else prob)
         out_i.append([cls[i] for i in idx])
-    return out_p, out_i
+        out_k.append(idx)
+    return out_p, out_i, out_k
 
 
-def run_one(problems, ids, correct, n, method, schedule, rule, args, options):
-    """One replay; returns a result row (projection added by the caller)."""
+def in_flight_admission(planner, rule, problems, ids, recorded, votes, texts, model, stride: int):
+    """A :class:`WaveAdmission` whose problems also vote on their running
+    paths' forecasts (``model``), cut from the trace file's ``texts``; with
+    ``model`` an :class:`OracleAt`, on their own final answers."""
+    from consensus_spec.sampling.forecast import InFlightCheck
+
+    answers = [[votes[p].answers[i] for i in recorded[p]] for p in range(len(problems))]
+    lengths = [[len(c) for c in prob.completions] for prob in problems]
+    if isinstance(model, OracleAt):
+        check = oracle_check(rule, model.at)
+        cut = lambda p, k, tokens: (answers[p][k], lengths[p][k])  # noqa: E731
+    else:
+        check = InFlightCheck(rule, model=model, extract=texts.extract)
+        cut = lambda p, k, tokens: texts.cut(votes[p].id, recorded[p][k], tokens)  # noqa: E731
+    return WaveAdmission(planner, ids, check, answers, lengths, cut, stride), check
+
+
+@dataclass(frozen=True)
+class OracleAt:
+    """``--forecast-model oracle:AT``: a ceiling, not a forecast."""
+    at: float
+
+
+def oracle_check(rule, at: float):
+    """The in-flight vote with each running path's own final answer known
+    once it is ``at`` of its length through (before: the vote's own chance)."""
+    from consensus_spec.sampling.forecast import InFlightCheck, flip_with_running
+    from consensus_spec.sampling.stopping import tally
+    from consensus_spec.voting.answers import answers_equal
+    from consensus_spec.voting.vote import cluster_answers
+
+    class Oracle(InFlightCheck):
+        def __call__(self, answers, lengths, running, unstarted):
+            if not running or all(a is None for a in answers):
+                return False
+            self.checks += 1
+            ids = cluster_answers(list(answers))
+            ranked = tally(ids)
+            lead, second = ranked[0][1], (ranked[1][1] if len(ranked) > 1 else 0)
+            other, length = len(ids) - lead - second, sum(lengths) / len(lengths)
+            leader = next(a for a, i in zip(answers, ids) if i == ranked[0][0])
+            base = self.prior.leader_share(lead, second, other, length)
+            chances = []
+            for tokens, final in running:
+                answer, total = final()
+                known = tokens >= at * total
+                chances.append(base if not known else float(answer is not None and answers_equal(answer, leader)))
+            return flip_with_running(self.prior, lead, second, other, chances, unstarted, length) <= self.rule.error
+
+    return Oracle(rule)
+
+
+def run_one(problems, ids, correct, n, method, schedule, rule, args, options, forecast=None):
+    """One replay; returns a result row (projection added by the caller).
+    ``forecast``: (recorded path numbers, vote traces, texts, model) to
+    vote on running paths too (a ``bayes`` rule only)."""
     planner = path_planner(len(problems), n, schedule, rule)
     drafter = CpuTimed(make_drafter(method, args.k, max_len(problems, args.k), args.rows, options))
+    check = None
+    if forecast is not None:
+        admission, check = in_flight_admission(planner, rule, problems, ids, *forecast, args.stride)
+    else:
+        admission = WaveAdmission(planner, ids)
     t0 = time.perf_counter()
-    stats = replay(problems, drafter, method, args.k, args.rows, admission=WaveAdmission(planner, ids))
+    stats = replay(problems, drafter, method, args.k, args.rows, admission=admission)
     wall = time.perf_counter() - t0
     used = agree = right = 0
     tokens = stats.aborted_tokens
@@ -113,7 +204,12 @@ def run_one(problems, ids, correct, n, method, schedule, rule, args, options):
     drafter_ms = [us * b / 1000.0 for us, b in zip(drafter.per_call, stats.step_rows)] \
         if method != "none" else None
     return {
-        "method": method, "waves": schedule.describe(), "early_stop": rule.describe() if rule else "off",
+        "method": method, "waves": schedule.describe(),
+        "early_stop": (rule.describe() if rule else "off") + ("" if forecast is None else
+                                                              f" + oracle at {forecast[3].at:g}"
+                                                              if isinstance(forecast[3], OracleAt)
+                                                              else " + forecast"),
+        "forecast_checks": check.checks if check else None, "forecast_reads": check.reads if check else None,
         "problems": len(problems), "n": n, "paths_per_problem": used / len(problems),
         "aborted_tokens": stats.aborted_tokens,
         "tokens": tokens, "tokens_share": tokens / total_tokens, "agreement": agree / len(problems),
@@ -147,14 +243,23 @@ def parse_args(argv=None):
     ap.add_argument("--fill", choices=("on", "off", "both"), default="on",
                     help="Schedule.fill_idle: idle rows start later waves early at the tail")
     ap.add_argument("--orders", type=int, default=3, help="path orders: recorded + seeded shuffles")
+    ap.add_argument("--forecast", choices=("off", "on", "both"), default="off",
+                    help="bayes rules also vote on running paths' forecasts (models fitted on the "
+                         "other shared sets; 'both': with and without)")
+    ap.add_argument("--forecast-model", default="others",
+                    help="others (a shared set's model fitted on the other shared sets; the shipped "
+                         "model for other sets), shipped, a model JSON (python -m evals forecast --write), "
+                         "or oracle:AT (a ceiling: each running path's own answer, known AT of its way through)")
+    ap.add_argument("--stride", type=int, default=8, help="steps between votes on running paths")
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     add_table_args(ap)
     add_option_arg(ap)
     ap.add_argument("--out", default="results/waves", help="output prefix (.json, .md and .png)")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
-    if args.rows < 1 or args.orders < 1 or args.k < 1 or (args.limit is not None and args.limit < 1):
-        ap.error("--rows, --orders, --k and --limit must be >= 1")
+    if args.rows < 1 or args.orders < 1 or args.k < 1 or args.stride < 1 \
+            or (args.limit is not None and args.limit < 1):
+        ap.error("--rows, --orders, --k, --stride and --limit must be >= 1")
     from consensus_spec.sampling.waves import Schedule
     try:
         fills = {"on": (True,), "off": (False,), "both": (True, False)}[args.fill]
@@ -169,10 +274,39 @@ def parse_args(argv=None):
 
 
 def configs(args):
+    """(schedule, rule, method, forecast) per replay of an order."""
     from consensus_spec.sampling.waves import Schedule
     plain = Schedule(waves=("rest",), capacity=args.rows)
-    return [(plain, None, m) for m in METHODS] + \
-        [(schedule, rule, m) for schedule in args.schedules for rule in args.rules for m in METHODS]
+    ways = {"off": (False,), "on": (True,), "both": (False, True)}[args.forecast]
+    return [(plain, None, m, False) for m in METHODS] + \
+        [(schedule, rule, m, f) for schedule in args.schedules for rule in args.rules
+         for f in (ways if rule.kind == "bayes" else (False,)) for m in METHODS]
+
+
+def forecast_models(args, tokenizer):
+    """Set name -> forecast model (``--forecast-model``); ``others``: a
+    shared set's model is fitted on the other shared sets, never on itself."""
+    import json as _json
+
+    from consensus_spec.sampling.forecast import PROGRESS_BANDS, ForecastModel
+
+    from ..traces import shared_path
+    from .forecast import DEFAULT_TRACES as FIT_SETS
+    from .forecast import fit_others, load_paths
+
+    if args.forecast_model.startswith("oracle:"):
+        oracle = OracleAt(float(args.forecast_model.split(":", 1)[1]))
+        return lambda name: oracle
+    if args.forecast_model not in ("others", "shipped"):
+        with open(args.forecast_model) as f:
+            model = ForecastModel.from_json(_json.load(f))
+        return lambda name: model
+    names = {os.path.splitext(t)[0]: t for t in FIT_SETS}
+    if args.forecast_model == "shipped" or not any(n in names for n, _ in trace_sets(args.traces, DEFAULT_TRACES)):
+        return lambda name: ForecastModel.default()
+    sets = {n: load_paths(shared_path("traces", t), tokenizer, None, PROGRESS_BANDS) for n, t in names.items()}
+    models = {name: fit_others(sets, name) for name in sets}
+    return lambda name: models.get(name) or ForecastModel.default()
 
 
 def run(args) -> tuple[list[dict], object]:
@@ -183,14 +317,18 @@ def run(args) -> tuple[list[dict], object]:
         raise FileNotFoundError(f"step-cost table not found: {args.costs}")
     options = parse_options(args.option)
     out = []
+    model_for = forecast_models(args, tokenizer) if args.forecast != "off" else None
     for name, path in trace_sets(args.traces, DEFAULT_TRACES):
-        problems, ids, correct, n = paired_sets(path, tokenizer, args.limit)
+        problems, votes, correct, n = paired_sets(path, tokenizer, args.limit)
+        ids = [v.ids for v in votes]
+        texts = PathTexts(path, tokenizer, args.limit) if model_for else None
         plain = configs(args)[0][0]  # load compiled code before anything is timed
         run_one(problems[:1], ids[:1], correct[:1], n, "consensus", plain, None, args, options)
         for order in range(args.orders):
-            probs, order_ids = shuffled(problems, ids, order)
-            for schedule, rule, method in configs(args):
-                row = run_one(probs, order_ids, correct, n, method, schedule, rule, args, options)
+            probs, order_ids, recorded = shuffled(problems, ids, order)
+            for schedule, rule, method, forecast in configs(args):
+                fc = (recorded, votes, texts, model_for(name)) if forecast else None
+                row = run_one(probs, order_ids, correct, n, method, schedule, rule, args, options, fc)
                 row.update(traces=name, order=order, rows=args.rows)
                 project(row, costs, host)
                 print(f"  {row['traces']} order {order} {method} waves={row['waves']} "

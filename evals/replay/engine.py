@@ -14,7 +14,9 @@ so the batch stays full and followers can draft from finished siblings.
 Any other order of entry (waves with stop votes: :mod:`evals.adaptive.waves`)
 is an ``admission`` object with ``pop()`` and ``finished(problem, path)``,
 which may return running paths to abort: they leave the batch at once, their
-tokens so far counted in ``aborted_tokens``.
+tokens so far counted in ``aborted_tokens``.  An admission with
+``progress(running)`` is shown the running paths' tokens so far after every
+step, and may return running paths to abort as well.
 
 A ``clock`` (:class:`VirtualClock`) is the time a drafter that reads one
 sees: each verified step advances it by a step-cost table's T(B, q), and a
@@ -175,6 +177,7 @@ def replay(problems: list[Problem], drafter, method: str, k: int, max_rows: int,
     batch = ReplayBatch(max_rows, max_len(problems, k))
     stats = ReplayStats(method, scouts)
     admission = admission or _Admission(problems, scouts)
+    progress_of = getattr(admission, "progress", None)
     rows: list[_Row] = []
     sampled: list[list[int]] = []
 
@@ -239,6 +242,14 @@ def replay(problems: list[Problem], drafter, method: str, k: int, max_rows: int,
                     stats.aborted_tokens += rows[j].n - int(batch.num_prompt_tokens[j])
                 if progress is not None:
                     progress.update(1)
+        if progress_of is not None:  # the admission's vote on running paths may stop problems
+            running = {(r.problem, r.path): r.n - int(batch.num_prompt_tokens[i])
+                       for i, r in enumerate(rows) if not r.done}
+            for key in progress_of(running) or ():
+                j = batch.req_id_to_index[_req_id(*key)]
+                if not rows[j].done:
+                    rows[j].done = True
+                    stats.aborted_tokens += rows[j].n - int(batch.num_prompt_tokens[j])
         stats.drafted += drafted
         if clock is not None:
             clock.step(len(rows), drafted)
