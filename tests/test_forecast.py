@@ -117,11 +117,11 @@ def script_stating(table):
 def test_run_paths_with_a_forecast_stops_sooner_with_the_same_answer():
     table = [[("5", 60 + 2 * k) for k in range(16)]]
     runs = {}
-    for forecast in (None, sure()):
+    for forecast in (False, True):
         engine = FakeEngine(script_stating(table))
         (r,) = run_paths(engine, ["q"], params_factory(delta=True), n=16, delta=True,
-                         stop_rule=StopRule(), forecast=forecast)
-        runs[forecast is not None] = r
+                         stop_rule=StopRule(forecast=forecast), forecast_model=sure())
+        runs[forecast] = r
         assert not engine.has_unfinished_requests()
     plain, ahead = runs[False], runs[True]
     assert plain.answer == ahead.answer == "5" and plain.stopped_early and ahead.stopped_early
@@ -131,15 +131,25 @@ def test_run_paths_with_a_forecast_stops_sooner_with_the_same_answer():
 
 def test_forecast_needs_bayes_and_running_texts():
     table = [[("5", 5)] * 4]
-    with pytest.raises(ValueError, match="bayes"):
-        run_paths(FakeEngine(script_stating(table)), ["q"], params_factory(delta=True), n=4, delta=True,
-                  stop_rule=StopRule(kind="decided"), forecast=True)
+    with pytest.raises(ValueError, match="True only for kind 'bayes'"):
+        StopRule(kind="decided", forecast=True)
+    assert StopRule(forecast=True).describe() == "bayes(error=0.002)+forecast"
     with pytest.raises(ValueError, match="DELTA"):
         run_paths(FakeEngine(script_stating(table)), ["q"], params_factory(), n=4,
-                  stop_rule=StopRule(), forecast=True)
+                  stop_rule=StopRule(forecast=True))
     with pytest.raises(ValueError, match="check"):
         run_paths(FakeEngine(script_stating(table)), ["q"], params_factory(delta=True), n=4, delta=True,
-                  stop_rule=StopRule(), schedule=Schedule(waves=(2,), check="wave"), forecast=True)
+                  stop_rule=StopRule(forecast=True), schedule=Schedule(waves=(2,), check="wave"))
+
+
+def test_early_stop_flag_takes_a_forecast():
+    from evals.math.configs import UsageError, parse_early_stop
+
+    assert parse_early_stop(["on+forecast", "on"]) == [StopRule(forecast=True), StopRule()]
+    assert parse_early_stop(["bayes:0.01+forecast"]) == [StopRule(error=0.01, forecast=True)]
+    for bad in ("decided+forecast", "on+fast"):
+        with pytest.raises(UsageError, match="forecast"):
+            parse_early_stop([bad])
 
 
 def test_waves_replay_with_and_without_the_forecast(tmp_path):
@@ -149,8 +159,30 @@ def test_waves_replay_with_and_without_the_forecast(tmp_path):
                         "--forecast", "both", "--forecast-model", "shipped", "--stride", "2",
                         "--no-plot", "--out", out))
     rows = read_json(tmp_path / "w.json")["results"]
-    with_fc = [r for r in rows if r["early_stop"].endswith("+ forecast")]
+    with_fc = [r for r in rows if r["early_stop"].endswith("+forecast")]
     assert {r["method"] for r in with_fc} == {"none", "consensus"}
     assert all(r["forecast_checks"] > 0 for r in with_fc)
-    assert not any("decided + forecast" in r["early_stop"] for r in rows)  # bayes rules only
-    assert "bayes(error=0.002) + forecast" in text
+    assert not any("decided+forecast" in r["early_stop"] for r in rows)  # bayes rules only
+    assert "bayes(error=0.002)+forecast" in text
+
+
+def test_async_loop_stops_sooner_with_a_forecast_as_the_step_loop_does():
+    import asyncio
+
+    from consensus_spec.sampling.async_loop import run_paths_async
+    from tests.test_async_loop import FakeAsyncEngine
+
+    table = [[("5", 60 + 2 * k) for k in range(16)]]
+    runs = {}
+    for forecast in (False, True):
+        engine = FakeAsyncEngine(script_stating(table))
+        runs[forecast] = asyncio.run(run_paths_async(
+            engine.generate, engine.abort, ["q"], params_factory(delta=True), 16, delta=True,
+            stop_rule=StopRule(forecast=forecast), forecast_model=sure()))
+        assert runs[forecast].num_tokens == engine.generated and not engine.running
+    assert runs[True][0].answer == runs[False][0].answer == "5"
+    assert runs[True].num_tokens < runs[False].num_tokens
+    assert runs[True][0].ended_in_flight >= 1
+    with pytest.raises(ValueError, match="DELTA"):
+        asyncio.run(run_paths_async(FakeAsyncEngine(script_stating(table)).generate, None, ["q"],
+                                    params_factory(), 16, stop_rule=StopRule(forecast=True)))

@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 
-from .engine_loop import PathBook, Voting, check_run_options
+from .engine_loop import FORECAST_STRIDE, PathBook, Voting, check_run_options
 from .results import SelfConsistencyRun
 from .stopping import StopRule
 from .waves import Schedule
@@ -31,6 +31,7 @@ __all__ = ["run_paths_async", "TASK_PREFIX"]
 
 TASK_PREFIX = "consensus_spec "  # the names of the tasks a run starts (a server counts them)
 ABORT_DRAIN_S = 1.0  # how long aborted paths may take to hand in their final output
+PROGRESS = ("progress",)  # the event that asks for a vote on running paths
 
 Generate = Callable[[str, Any, Any], AsyncIterator[Any]]  # (request id, prompt, params)
 Abort = Callable[[Iterable[str]], Awaitable[None]]
@@ -57,6 +58,7 @@ async def run_paths_async(
     run_ahead: Any = None,
     keep_outputs: bool = False,
     prior: Any = None,
+    forecast_model: Any = None,
 ) -> SelfConsistencyRun:
     """Sample up to ``n`` paths per prompt through ``generate``, in waves, and vote.
 
@@ -76,11 +78,16 @@ async def run_paths_async(
     decides which later waves idle rows start early; ``keep_outputs``
     keeps each path's token ids and logprobs; ``prior``: the stop rule's
     :class:`~consensus_spec.sampling.answer_prior.AnswerPrior` (a server
-    keeps one for all its runs).
+    keeps one for all its runs).  With ``stop_rule.forecast`` (DELTA
+    outputs), each time a running path has written another
+    :data:`~consensus_spec.sampling.engine_loop.FORECAST_STRIDE` tokens the
+    running paths' forecasts are voted on too (``forecast_model``).
     """
     schedule, voting = check_run_options(schedule, stop_rule, voting)
+    if stop_rule is not None and stop_rule.forecast and not delta:
+        raise ValueError("StopRule(forecast=True) reads running paths' text: it needs DELTA outputs")
     book = PathBook(len(prompts), n, schedule, stop_rule, voting, max_tokens, on_vote, idle_rows,
-                    run_ahead, keep_outputs, prior)
+                    run_ahead, keep_outputs, prior, forecast_model)
     if on_start is not None:
         on_start(book)
     run_id = run_id or uuid.uuid4().hex[:12]
@@ -88,13 +95,23 @@ async def run_paths_async(
     events: asyncio.Queue = asyncio.Queue()
     tasks: dict[tuple[int, int], asyncio.Task] = {}
 
+    progress_due = False  # a forecast vote is queued
+
     async def consume(key: tuple[int, int]) -> None:
+        nonlocal progress_due
         p, k = key
+        written = 0
         try:
             async for out in generate(rid(p, k), prompts[p], make_params(p, k)):
                 book.update(key, out.outputs[0], delta)
                 if out.finished:
                     break
+                if book.in_flight is not None and key in book.accs:
+                    tokens = book.accs[key].num_tokens
+                    if tokens // FORECAST_STRIDE > written // FORECAST_STRIDE and not progress_due:
+                        progress_due = True
+                        events.put_nowait((PROGRESS, None))
+                    written = tokens
             events.put_nowait((key, None))
         except asyncio.CancelledError:
             raise
@@ -129,6 +146,17 @@ async def run_paths_async(
             key, error = await events.get()
             if error is not None:
                 raise error
+            if key is PROGRESS:
+                progress_due = False
+                to_submit, to_abort = book.progress()
+                await stop(to_abort)
+                submit(to_submit)
+                if on_problem_done is not None:
+                    for p in sorted({p for p, _ in to_abort}):
+                        on_problem_done(p, book)
+                if not tasks:
+                    submit(book.admit())
+                continue
             if tasks.pop(key, None) is None:
                 continue  # aborted after it had finished
             if on_submit is not None:

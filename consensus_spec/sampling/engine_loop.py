@@ -188,16 +188,6 @@ class _Accumulator:
         return "".join(self.texts)
 
 
-def check_forecast(forecast: Any, schedule: Schedule, stop_rule: StopRule | None) -> None:
-    """A forecast feeds a ``bayes`` rule that may stop with paths running."""
-    if forecast is not True and not isinstance(forecast, ForecastModel):
-        raise ValueError(f"forecast must be True, False or a ForecastModel, got {forecast!r}")
-    if stop_rule is None or stop_rule.kind != "bayes":
-        raise ValueError("forecast needs the bayes stop rule (early_stop=True or StopRule(kind='bayes'))")
-    if schedule.check == "wave":
-        raise ValueError("forecast votes on running paths: it needs Schedule(check='index' or 'path')")
-
-
 def check_run_options(schedule: Schedule | None, stop_rule: StopRule | None,
                       voting: Voting | None) -> tuple[Schedule, Voting]:
     """Defaults and the one cross-option check both engine loops make."""
@@ -205,6 +195,9 @@ def check_run_options(schedule: Schedule | None, stop_rule: StopRule | None,
     schedule = resolve_schedule(schedule, stop_rule)
     if stop_rule is not None and voting.weighted:
         raise ValueError("stop rules count unweighted votes: early stop needs Voting(weighted=False)")
+    if stop_rule is not None and stop_rule.forecast and schedule.check == "wave":
+        raise ValueError("StopRule(forecast=True) votes on running paths: it needs "
+                         "Schedule(check='index' or 'path'), not 'wave'")
     return schedule, voting
 
 
@@ -222,8 +215,8 @@ class PathBook:
     logprobs in its :class:`Sample`.  ``prior``: the run's
     :class:`AnswerPrior` for a ``bayes`` rule (default: a new learning one);
     every problem's final vote is shown to it as soon as it is known.
-    ``forecast`` (True or a :class:`ForecastModel`; ``bayes`` rules only):
-    :meth:`progress` also votes on the running paths' partial texts.
+    With ``stop_rule.forecast``, :meth:`progress` also votes on the
+    running paths' partial texts (``forecast_model``; default: the shipped one).
     """
 
     def __init__(self, num: int, n: int, schedule: Schedule, stop_rule: StopRule | None,
@@ -231,16 +224,15 @@ class PathBook:
                  on_vote: Callable[[int, list, int, bool], None] | None = None,
                  idle_rows: Callable[[], int] | None = None, run_ahead: Any = None,
                  keep_outputs: bool = False, prior: AnswerPrior | None = None,
-                 forecast: bool | ForecastModel | None = None):
+                 forecast_model: ForecastModel | None = None):
         self.n, self.schedule, self.stop_rule, self.voting = n, schedule, stop_rule, voting
         if prior is None and stop_rule is not None and stop_rule.kind == "bayes":
             prior = AnswerPrior.learning()
         self.prior = prior
         self.in_flight = None
-        if forecast is not None and forecast is not False:
-            check_forecast(forecast, schedule, stop_rule)
-            self.in_flight = InFlightCheck(stop_rule, prior, forecast if forecast is not True else None,
-                                           voting.extract, voting.timeout_s)
+        if stop_rule is not None and stop_rule.forecast:
+            self.in_flight = InFlightCheck(stop_rule, prior, forecast_model, voting.extract,
+                                           voting.timeout_s)
         if run_ahead is not None and getattr(run_ahead, "prior", None) is None:
             run_ahead.prior = prior
         self._votes: dict[int, tuple[VoteResult, list[float] | None]] = {}  # final votes
@@ -397,7 +389,7 @@ def run_paths(
     render: Callable[[Any], Any] | None = None,
     on_problem_done: Callable[[int], None] | None = None,
     prior: AnswerPrior | None = None,
-    forecast: bool | ForecastModel | None = None,
+    forecast_model: ForecastModel | None = None,
 ) -> SelfConsistencyRun:
     """Engine-level loop behind :func:`self_consistency` (vLLM-agnostic).
 
@@ -410,18 +402,19 @@ def run_paths(
     capacity; ``stop_rule`` (None: never stop early) is asked with the
     unweighted answers.  ``on_problem_done(problem)`` is called once per
     problem as soon as its vote is final; ``prior``: the stop rule's
-    :class:`AnswerPrior` (see :class:`PathBook`); ``forecast``: every
-    :data:`FORECAST_STRIDE` steps, vote on running paths' forecasts too
-    (needs DELTA outputs).  Returns the run without
+    :class:`AnswerPrior` (see :class:`PathBook`).  With
+    ``stop_rule.forecast``, every :data:`FORECAST_STRIDE` steps the running
+    paths' forecasts (``forecast_model``, default the shipped one) are voted
+    on too (needs DELTA outputs).  Returns the run without
     spec-decode stats (the caller reads those from vLLM).
     """
     schedule, voting = check_run_options(schedule, stop_rule, voting)
     if engine.has_unfinished_requests():
         raise RuntimeError("self_consistency needs an idle engine")
-    if forecast and not delta:
-        raise ValueError("forecast reads running paths' text: it needs DELTA outputs")
+    if stop_rule is not None and stop_rule.forecast and not delta:
+        raise ValueError("StopRule(forecast=True) reads running paths' text: it needs DELTA outputs")
     book = PathBook(len(prompts), n, schedule, stop_rule, voting, max_tokens, prior=prior,
-                    forecast=forecast)
+                    forecast_model=forecast_model)
     planner = book.planner
     run_id = uuid.uuid4().hex[:8]
     rid = lambda p, k: f"sc{run_id}-{p}-{k}"  # noqa: E731

@@ -33,7 +33,6 @@ from .engine_loop import (  # noqa: F401  (_tokens_saved: re-exported for tests)
     spec_stats_delta,
 )
 from .answer_prior import AnswerPrior
-from .forecast import ForecastModel
 from .stopping import StopRule
 from .waves import ALL_AT_ONCE, PathPlanner, Schedule
 
@@ -97,7 +96,6 @@ def self_consistency(
     sampling_kwargs: dict[str, Any] | None = None,
     on_problem_done: Callable[[int], None] | None = None,
     prior: AnswerPrior | None = None,
-    forecast: bool | ForecastModel = False,
     **legacy: Any,
 ) -> SelfConsistencyRun:
     """Sample up to ``n`` paths per problem with ``llm`` (a ``vllm.LLM``) and vote.
@@ -112,11 +110,11 @@ def self_consistency(
     kind, or a :class:`StopRule`.  ``prior``: the :class:`AnswerPrior` the
     rule learns into (default: a new one per call; pass one to carry what it
     learned across calls that feed problems a few at a time).
-    ``forecast``: also vote on the running paths, from their text so far
-    (:mod:`~consensus_spec.sampling.forecast`; True: the shipped model):
-    a stop can then come before the paths in flight finish.  Off by
-    default: on recorded traces it saves 7% of the tokens on GSM8K-style
-    reasoning and about nothing on short or program answers (docs/stopping.md).
+    ``StopRule(forecast=True)`` also votes on the running paths, from their
+    text so far (:mod:`~consensus_spec.sampling.forecast`): a stop can then
+    come before the paths in flight finish.  Off by default: in replays of
+    recorded traces it saves 7% of the tokens on GSM8K-style reasoning and
+    about nothing on short or program answers (docs/stopping.md).
     ``schedule``: :class:`Schedule` (waves, capacity, check); default: waves
     of 2 with a vote after every path in path order with a stop rule, all at
     once without; capacity defaults to the engine's ``max_num_seqs``.
@@ -175,7 +173,7 @@ def self_consistency(
     before = read_spec_counters(llm)
     run = run_paths(engine, prompts, make_params, n, schedule=schedule, stop_rule=stop_rule,
                     voting=voting, max_tokens=max_tokens, delta=delta, render=render,
-                    on_problem_done=on_problem_done, prior=prior, forecast=forecast or None)
+                    on_problem_done=on_problem_done, prior=prior)
     run.spec_decode = spec_stats_delta(before, read_spec_counters(llm))
     run.config.update(temperature=temperature, top_p=top_p, seed=seed)
     return run

@@ -62,7 +62,7 @@ from ..voting import answers
 from . import PLUGIN_NAME, ROUTE
 from .options import BadRequest, Limits, parse_defaults
 from .protocol import SelfConsistencyRequest, is_many, parse_request, problem_json
-from .runs import error, new_run_id, run_request, sse, tasks_held, until_disconnect
+from .runs import error, new_run_id, run_request, sse, streams_paths, tasks_held, until_disconnect
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handler and format
 
@@ -320,7 +320,8 @@ async def handle(raw_request):
         if req.model is not None and req.model not in st.model_names:
             return error(404, f"The model `{req.model}` does not exist.", "model")
         prompts = await asyncio.to_thread(_render, st, req)
-        make_params = _params_factory(req, prompts, st.max_model_len, opts.voting.weighted)
+        make_params = _params_factory(req, prompts, st.max_model_len, opts.voting.weighted,
+                                      streams_paths(opts.stop_rule))
         make_params(0, 0)  # vLLM's own checks, here rather than in the engine
     except BadRequest as e:
         return error(e.status, str(e), e.param)
@@ -372,7 +373,7 @@ async def handle(raw_request):
 
 
 def _params_factory(req: SelfConsistencyRequest, prompts: list[list[int]], max_model_len: int,
-                    logprobs: bool):
+                    logprobs: bool, delta: bool = False):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -384,7 +385,8 @@ def _params_factory(req: SelfConsistencyRequest, prompts: list[list[int]], max_m
             n=1, temperature=req.temperature, top_p=req.top_p, max_tokens=limits[p],
             seed=None if req.seed is None else req.seed + p * req.n + k,
             stop=stop, logprobs=0 if logprobs else None,
-            output_kind=RequestOutputKind.FINAL_ONLY)  # no output per step; abort sends the tokens
+            # no output per step (abort sends the tokens), unless a forecast reads the running text
+            output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY)
 
     return make
 

@@ -17,7 +17,7 @@ import time
 from .openai_protocol import (CHAT, COMPLETION, choices_json, parse_openai, path_params,
                               response_json, stream_chunks, usage_chunk)
 from .options import BadRequest
-from .runs import error, new_run_id, run_request, sse, until_disconnect
+from .runs import error, new_run_id, run_request, sse, streams_paths, until_disconnect
 
 
 def attach(app, base: str) -> None:
@@ -91,7 +91,7 @@ async def handle(raw_request, kind: str):
         weighted = opts.voting.weighted
 
         def make_params(p: int, k: int):
-            params = path_params(bases[p], req, p, k)
+            params = path_params(bases[p], req, p, k, streams_paths(opts.stop_rule))
             if weighted and params.logprobs is None:
                 params.logprobs = 0  # the vote's weights need each path's logprob
             return params

@@ -63,6 +63,7 @@ class StopRuleIn(Strict):
     min_samples: Optional[int] = None
     window: Optional[int] = None
     margin: int = StopRule.margin
+    forecast: bool = False  # bayes: also vote on running paths (their outputs then stream per step)
 
 
 class ScheduleIn(Strict):

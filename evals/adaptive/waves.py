@@ -205,10 +205,8 @@ def run_one(problems, ids, correct, n, method, schedule, rule, args, options, fo
         if method != "none" else None
     return {
         "method": method, "waves": schedule.describe(),
-        "early_stop": (rule.describe() if rule else "off") + ("" if forecast is None else
-                                                              f" + oracle at {forecast[3].at:g}"
-                                                              if isinstance(forecast[3], OracleAt)
-                                                              else " + forecast"),
+        "early_stop": (rule.describe() if rule else "off") + (
+            f" (oracle at {forecast[3].at:g})" if forecast and isinstance(forecast[3], OracleAt) else ""),
         "forecast_checks": check.checks if check else None, "forecast_reads": check.reads if check else None,
         "problems": len(problems), "n": n, "paths_per_problem": used / len(problems),
         "aborted_tokens": stats.aborted_tokens,
@@ -244,8 +242,8 @@ def parse_args(argv=None):
                     help="Schedule.fill_idle: idle rows start later waves early at the tail")
     ap.add_argument("--orders", type=int, default=3, help="path orders: recorded + seeded shuffles")
     ap.add_argument("--forecast", choices=("off", "on", "both"), default="off",
-                    help="bayes rules also vote on running paths' forecasts (models fitted on the "
-                         "other shared sets; 'both': with and without)")
+                    help="bayes rules also vote on running paths' forecasts, as --early-stop on+forecast "
+                         "('both': with and without)")
     ap.add_argument("--forecast-model", default="others",
                     help="others (a shared set's model fitted on the other shared sets; the shipped "
                          "model for other sets), shipped, a model JSON (python -m evals forecast --write), "
@@ -278,9 +276,11 @@ def configs(args):
     from consensus_spec.sampling.waves import Schedule
     plain = Schedule(waves=("rest",), capacity=args.rows)
     ways = {"off": (False,), "on": (True,), "both": (False, True)}[args.forecast]
-    return [(plain, None, m, False) for m in METHODS] + \
-        [(schedule, rule, m, f) for schedule in args.schedules for rule in args.rules
-         for f in (ways if rule.kind == "bayes" else (False,)) for m in METHODS]
+    rules = [r.with_overrides(forecast=f) if r.kind == "bayes" and not r.forecast else r
+             for r in args.rules for f in ways]
+    return [(plain, None, m) for m in METHODS] + \
+        [(schedule, rule, m) for schedule in args.schedules for rule in dict.fromkeys(rules)
+         for m in METHODS]
 
 
 def forecast_models(args, tokenizer):
@@ -317,7 +317,8 @@ def run(args) -> tuple[list[dict], object]:
         raise FileNotFoundError(f"step-cost table not found: {args.costs}")
     options = parse_options(args.option)
     out = []
-    model_for = forecast_models(args, tokenizer) if args.forecast != "off" else None
+    wanted = args.forecast != "off" or any(r.forecast for r in args.rules)
+    model_for = forecast_models(args, tokenizer) if wanted else None
     for name, path in trace_sets(args.traces, DEFAULT_TRACES):
         problems, votes, correct, n = paired_sets(path, tokenizer, args.limit)
         ids = [v.ids for v in votes]
@@ -326,8 +327,8 @@ def run(args) -> tuple[list[dict], object]:
         run_one(problems[:1], ids[:1], correct[:1], n, "consensus", plain, None, args, options)
         for order in range(args.orders):
             probs, order_ids, recorded = shuffled(problems, ids, order)
-            for schedule, rule, method, forecast in configs(args):
-                fc = (recorded, votes, texts, model_for(name)) if forecast else None
+            for schedule, rule, method in configs(args):
+                fc = (recorded, votes, texts, model_for(name)) if rule and rule.forecast else None
                 row = run_one(probs, order_ids, correct, n, method, schedule, rule, args, options, fc)
                 row.update(traces=name, order=order, rows=args.rows)
                 project(row, costs, host)

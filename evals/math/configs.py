@@ -44,9 +44,18 @@ def parse_early_stop(values: list[str] | None) -> list:
     out = []
     for v in values:
         text = v.strip().lower()
+        text, plus, flag = text.partition("+")
+        if plus and flag != "forecast":
+            raise UsageError(f"--early-stop: the one suffix is +forecast (bayes rules), got {v!r}")
         kind, _, value = text.partition(":")
         try:
-            if text in ("off", "none", "no", "false"):
+            if plus:  # the rule, then its forecast (errors below name the rule)
+                rule = parse_early_stop([text])[0]
+                if rule is None or rule.kind != "bayes":
+                    raise UsageError(f"--early-stop: +forecast goes with the bayes rule (on, bayes[:ERROR]), "
+                                     f"got {v!r}")
+                out.append(rule.with_overrides(forecast=True))
+            elif text in ("off", "none", "no", "false"):
                 out.append(None)
             elif text in ("on", "true", "yes", "default"):
                 out.append(StopRule())
