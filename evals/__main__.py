@@ -25,6 +25,7 @@ GROUPS = {
         ("waves", "replay waves + stopping with drafting: projected time to all answers"),
         ("waves-sim", "simulate wave schedules and stop rules on a math run's samples"),
         ("forecast", "fit and check the forecast of running paths' answers on recorded traces"),
+        ("confidence", "DeepConf-style trace confidence: filtered votes and ended paths, on traces with logprobs"),
     ),
     "evals.math": (  # a real engine on math sets
         ("math", "self-consistency math eval: accuracy and speed per drafting method"),

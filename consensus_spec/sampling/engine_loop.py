@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ..voting.answers import DEFAULT_TIMEOUT_S, extract_answer
+from ..voting.confidence import DEFAULT_WINDOW, confidence_weights
 from .results import ProblemResult, Sample, SelfConsistencyRun, SpecDecodeStats
 from .routing import request_pinning
 from .answer_prior import AnswerPrior
@@ -39,7 +40,7 @@ __all__ = [
     "spec_stats_delta",
 ]
 
-WEIGHT_METHODS = ("exp_mean", "softmax")
+WEIGHT_METHODS = ("exp_mean", "softmax", "confidence")
 FORECAST_STRIDE = 8  # engine steps between votes on running paths (each reads their text)
 
 
@@ -49,12 +50,17 @@ class Voting:
 
     ``extract``: text -> answer (None: no answer, the path abstains).
     ``weighted``: weight votes by :func:`~consensus_spec.voting.vote.logprob_weights`
-    of mean token logprobs (``weight_method``; needs logprobs).
+    of mean token logprobs (``weight_method`` ``exp_mean`` or ``softmax``), or
+    DeepConf-style (``"confidence"``: only the ``confidence_keep`` share of
+    paths with the highest lowest-window confidence vote, weighted by it;
+    :func:`~consensus_spec.voting.confidence.confidence_weights`); needs logprobs.
     ``timeout_s``: per math-verify comparison when clustering answers.
     """
 
     weighted: bool = False
     weight_method: str = "exp_mean"
+    confidence_keep: float = 0.9  # "confidence": DeepConf's top share (its paper: 0.1 or 0.9)
+    confidence_window: int = DEFAULT_WINDOW  # "confidence": tokens per window
     timeout_s: float = DEFAULT_TIMEOUT_S
     extract: Callable[[str], str | None] = extract_answer
 
@@ -67,6 +73,16 @@ class Voting:
             raise ValueError(f"Voting.timeout_s must be > 0, got {self.timeout_s!r}")
         if not callable(self.extract):
             raise ValueError("Voting.extract must be callable")
+        keep, window = self.confidence_keep, self.confidence_window
+        if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0.0 < keep <= 1.0:
+            raise ValueError(f"Voting.confidence_keep must be a share in (0, 1], got {keep!r}")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"Voting.confidence_window must be an int >= 1, got {window!r}")
+
+    @property
+    def needs_token_logprobs(self) -> bool:
+        """Whether the vote reads each token's logprob, not just the path's sum."""
+        return self.weighted and self.weight_method == "confidence"
 
 
 def resolve_stop_rule(early_stop: Any) -> StopRule | None:
@@ -322,8 +338,9 @@ class PathBook:
                                    sum(x.num_tokens for x in done) / len(done) if done else None)
 
     def _started(self, paths: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        keep = self.keep_outputs or self.voting.needs_token_logprobs
         for key in paths:
-            self.accs[key] = _Accumulator(self.keep_outputs)
+            self.accs[key] = _Accumulator(keep)
         return paths
 
     def done(self, p: int) -> bool:
@@ -336,7 +353,10 @@ class PathBook:
                 done: list[Sample] | None = None) -> tuple[VoteResult, list[float] | None]:
         done = self._finished(p) if done is None else done
         weights = None
-        if self.voting.weighted:  # a zero-token path has no mean logprob: weight 0
+        if self.voting.needs_token_logprobs:
+            weights = confidence_weights([s.logprobs for s in done], self.voting.confidence_keep,
+                                         self.voting.confidence_window)
+        elif self.voting.weighted:  # a zero-token path has no mean logprob: weight 0
             lps = [-math.inf if s.mean_logprob is None else s.mean_logprob for s in done]
             weights = logprob_weights(lps, self.voting.weight_method)
         return majority_vote([s.answer for s in done], weights, self.voting.timeout_s), weights

@@ -47,6 +47,7 @@ PROGRESS_BANDS = (0.5, 0.7, 0.8, 0.9, 1.0, 1.1, 1.3, 1.6)
 STATES = ("leader", "other", "none")  # the partial text's last answer: the leader's, another, none
 MAX_LOG_RATIO = 4.0  # a forecast is never surer than e^4 : 1 on one path's text
 SMOOTHING = 0.5  # pseudo-count per (band, state) cell when fitting
+CLUSTER_MEMO = 1024  # finished-answer tuples an InFlightCheck remembers the clusters of
 
 
 def evidence(partial_text: str, leader: str | None, extract: Callable[[str], str | None],
@@ -183,12 +184,18 @@ class InFlightCheck:
         self.model = model or ForecastModel.default()
         self.extract, self.timeout_s = extract, timeout_s
         self.checks = self.reads = 0  # votes taken, partial texts read
+        self._clusters: dict[tuple, list] = {}  # finished answers -> class ids (bounded)
 
     def __call__(self, answers: Sequence[str | None], lengths: Sequence[int],
                  running: Sequence[tuple[int, Callable[[], str]]], unstarted: int) -> bool:
         if not running or all(a is None for a in answers):
             return False
-        ids = cluster_answers(list(answers), self.timeout_s)
+        key = tuple(answers)
+        ids = self._clusters.get(key)
+        if ids is None:  # the same finished answers are voted on every few steps: cluster once
+            if len(self._clusters) >= CLUSTER_MEMO:
+                self._clusters.clear()
+            ids = self._clusters[key] = cluster_answers(list(answers), self.timeout_s)
         ranked = tally(ids)
         lead = ranked[0][1]
         second = ranked[1][1] if len(ranked) > 1 else 0

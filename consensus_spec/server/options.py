@@ -74,7 +74,9 @@ class ScheduleIn(Strict):
 
 class VotingIn(Strict):
     weighted: bool = False
-    weight_method: Literal["exp_mean", "softmax"] = "exp_mean"
+    weight_method: Literal["exp_mean", "softmax", "confidence"] = "exp_mean"
+    confidence_keep: float = Field(0.9, gt=0, le=1)
+    confidence_window: int = Field(16, ge=1, le=4096)
     timeout_s: float = Field(DEFAULT_TIMEOUT_S, gt=0, le=MAX_VOTE_TIMEOUT_S)
 
 
@@ -186,6 +188,8 @@ def resolve_options(opts: RunOptionsIn, limits: Limits) -> RunOptions:
     except ValueError as e:
         raise BadRequest("answer_pattern", str(e)) from None
     voting = Voting(weighted=opts.voting.weighted, weight_method=opts.voting.weight_method,
+                    confidence_keep=opts.voting.confidence_keep,
+                    confidence_window=opts.voting.confidence_window,
                     timeout_s=opts.voting.timeout_s, extract=extract)
     if stop_rule is not None and voting.weighted:
         raise BadRequest("voting.weighted", "stop rules count unweighted votes: "
