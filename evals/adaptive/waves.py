@@ -46,38 +46,11 @@ METHODS = ("none", "consensus")
 
 
 class WaveAdmission(Queued):
-    """Paths enter the replay as a PathPlanner releases them.  With
-    ``in_flight`` (a :class:`~consensus_spec.sampling.forecast.InFlightCheck`),
-    every ``stride`` steps each problem with running paths also takes the
-    vote that counts them (:meth:`PathPlanner.on_progress`): ``answers``
-    and ``lengths`` per problem and path, ``texts(p, path, tokens)`` the
-    partial text."""
+    """Paths enter the replay as a PathPlanner releases them."""
 
-    def __init__(self, planner, class_ids: list[list[int | None]], in_flight=None,
-                 answers=None, lengths=None, texts=None, stride: int = 8):
+    def __init__(self, planner, class_ids: list[list[int | None]]):
         super().__init__(planner.admit())
         self.planner, self.class_ids = planner, class_ids
-        self.in_flight, self.answers, self.lengths, self.texts = in_flight, answers, lengths, texts
-        self.stride, self.steps = stride, 0
-
-    def progress(self, running: dict[tuple[int, int], int]) -> list[tuple[int, int]]:
-        self.steps += 1
-        if self.in_flight is None or self.steps % self.stride:
-            return []
-        by_problem: dict[int, dict[int, int]] = {}
-        for (p, k), tokens in running.items():
-            by_problem.setdefault(p, {})[k] = tokens
-        aborts = []
-        for p, paths in by_problem.items():
-            def check(done, _ids, run, unstarted, p=p, paths=paths):
-                return self.in_flight([self.answers[p][k] for k in done],
-                                      [self.lengths[p][k] for k in done],
-                                      [(paths.get(k, 0), lambda k=k: self.texts(p, k, paths.get(k, 0)))
-                                       for k in run], unstarted)
-            submit, abort = self.planner.on_progress(p, check)
-            self.queue.extend(submit)
-            aborts += self._running(abort)
-        return aborts
 
     def finished(self, p: int, path: int) -> list[tuple[int, int]]:
         """Paths to abort that are running (those still queued are dropped)."""
@@ -124,58 +97,6 @@ def shuffled(problems: list[Problem], ids, order: int):
     return out_p, out_i, out_k
 
 
-def in_flight_admission(planner, rule, problems, ids, recorded, votes, texts, model, stride: int):
-    """A :class:`WaveAdmission` whose problems also vote on their running
-    paths' forecasts (``model``), cut from the trace file's ``texts``; with
-    ``model`` an :class:`OracleAt`, on their own final answers."""
-    from consensus_spec.sampling.forecast import InFlightCheck
-
-    answers = [[votes[p].answers[i] for i in recorded[p]] for p in range(len(problems))]
-    lengths = [[len(c) for c in prob.completions] for prob in problems]
-    if isinstance(model, OracleAt):
-        check = oracle_check(rule, model.at)
-        cut = lambda p, k, tokens: (answers[p][k], lengths[p][k])  # noqa: E731
-    else:
-        check = InFlightCheck(rule, model=model, extract=texts.extract)
-        cut = lambda p, k, tokens: texts.cut(votes[p].id, recorded[p][k], tokens)  # noqa: E731
-    return WaveAdmission(planner, ids, check, answers, lengths, cut, stride), check
-
-
-@dataclass(frozen=True)
-class OracleAt:
-    """``--forecast-model oracle:AT``: a ceiling, not a forecast."""
-    at: float
-
-
-def oracle_check(rule, at: float):
-    """The in-flight vote with each running path's own final answer known
-    once it is ``at`` of its length through (before: the vote's own chance)."""
-    from consensus_spec.sampling.forecast import InFlightCheck, flip_with_running
-    from consensus_spec.sampling.stopping import tally
-    from consensus_spec.voting.answers import answers_equal
-    from consensus_spec.voting.vote import cluster_answers
-
-    class Oracle(InFlightCheck):
-        def __call__(self, answers, lengths, running, unstarted):
-            if not running or all(a is None for a in answers):
-                return False
-            self.checks += 1
-            ids = cluster_answers(list(answers))
-            ranked = tally(ids)
-            lead, second = ranked[0][1], (ranked[1][1] if len(ranked) > 1 else 0)
-            other, length = len(ids) - lead - second, sum(lengths) / len(lengths)
-            leader = next(a for a, i in zip(answers, ids) if i == ranked[0][0])
-            base = self.prior.leader_share(lead, second, other, length)
-            chances = []
-            for tokens, final in running:
-                answer, total = final()
-                known = tokens >= at * total
-                chances.append(base if not known else float(answer is not None and answers_equal(answer, leader)))
-            return flip_with_running(self.prior, lead, second, other, chances, unstarted, length) <= self.rule.error
-
-    return Oracle(rule)
-
-
 def run_one(problems, ids, correct, n, method, schedule, rule, args, options, forecast=None):
     """One replay; returns a result row (projection added by the caller).
     ``forecast``: (recorded path numbers, vote traces, texts, model) to
@@ -184,6 +105,7 @@ def run_one(problems, ids, correct, n, method, schedule, rule, args, options, fo
     drafter = CpuTimed(make_drafter(method, args.k, max_len(problems, args.k), args.rows, options))
     check = None
     if forecast is not None:
+        from .in_flight import in_flight_admission
         admission, check = in_flight_admission(planner, rule, problems, ids, *forecast, args.stride)
     else:
         admission = WaveAdmission(planner, ids)
@@ -206,7 +128,7 @@ def run_one(problems, ids, correct, n, method, schedule, rule, args, options, fo
     return {
         "method": method, "waves": schedule.describe(),
         "early_stop": (rule.describe() if rule else "off") + (
-            f" (oracle at {forecast[3].at:g})" if forecast and isinstance(forecast[3], OracleAt) else ""),
+            f" (oracle at {forecast[3].at:g})" if hasattr(forecast and forecast[3], "at") else ""),
         "forecast_checks": check.checks if check else None, "forecast_reads": check.reads if check else None,
         "problems": len(problems), "n": n, "paths_per_problem": used / len(problems),
         "aborted_tokens": stats.aborted_tokens,
@@ -283,32 +205,6 @@ def configs(args):
          for m in METHODS]
 
 
-def forecast_models(args, tokenizer):
-    """Set name -> forecast model (``--forecast-model``); ``others``: a
-    shared set's model is fitted on the other shared sets, never on itself."""
-    import json as _json
-
-    from consensus_spec.sampling.forecast import PROGRESS_BANDS, ForecastModel
-
-    from ..traces import shared_path
-    from .forecast import DEFAULT_TRACES as FIT_SETS
-    from .forecast import fit_others, load_paths
-
-    if args.forecast_model.startswith("oracle:"):
-        oracle = OracleAt(float(args.forecast_model.split(":", 1)[1]))
-        return lambda name: oracle
-    if args.forecast_model not in ("others", "shipped"):
-        with open(args.forecast_model) as f:
-            model = ForecastModel.from_json(_json.load(f))
-        return lambda name: model
-    names = {os.path.splitext(t)[0]: t for t in FIT_SETS}
-    if args.forecast_model == "shipped" or not any(n in names for n, _ in trace_sets(args.traces, DEFAULT_TRACES)):
-        return lambda name: ForecastModel.default()
-    sets = {n: load_paths(shared_path("traces", t), tokenizer, None, PROGRESS_BANDS) for n, t in names.items()}
-    models = {name: fit_others(sets, name) for name in sets}
-    return lambda name: models.get(name) or ForecastModel.default()
-
-
 def run(args) -> tuple[list[dict], object]:
     """Result rows, and the host-time table they were projected with (None: none)."""
     tokenizer = load_tokenizer(args.tokenizer)
@@ -318,8 +214,12 @@ def run(args) -> tuple[list[dict], object]:
     options = parse_options(args.option)
     out = []
     wanted = args.forecast != "off" or any(r.forecast for r in args.rules)
-    model_for = forecast_models(args, tokenizer) if wanted else None
-    for name, path in trace_sets(args.traces, DEFAULT_TRACES):
+    model_for = None
+    sets = trace_sets(args.traces, DEFAULT_TRACES)
+    if wanted:
+        from .in_flight import forecast_models
+        model_for = forecast_models(args, tokenizer, [name for name, _ in sets])
+    for name, path in sets:
         problems, votes, correct, n = paired_sets(path, tokenizer, args.limit)
         ids = [v.ids for v in votes]
         texts = PathTexts(path, tokenizer, args.limit) if model_for else None

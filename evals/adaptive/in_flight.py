@@ -1,0 +1,123 @@
+"""The waves replay's votes on running paths (``python -m evals waves
+--forecast``): the admission that asks them, the models each set gets, and
+the oracle ceiling (``--forecast-model oracle:AT``)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .waves import WaveAdmission
+
+
+class InFlightAdmission(WaveAdmission):
+    """A :class:`~evals.adaptive.waves.WaveAdmission` whose problems, every
+    ``stride`` steps, also take the vote that counts their running paths
+    (:meth:`PathPlanner.on_progress` with ``in_flight``, an
+    :class:`~consensus_spec.sampling.forecast.InFlightCheck`): ``answers``
+    and ``lengths`` per problem and path, ``texts(p, path, tokens)`` what
+    the check reads of a running path."""
+
+    def __init__(self, planner, class_ids, in_flight, answers, lengths, texts, stride: int = 8):
+        super().__init__(planner, class_ids)
+        self.in_flight, self.answers, self.lengths, self.texts = in_flight, answers, lengths, texts
+        self.stride, self.steps = stride, 0
+
+    def progress(self, running: dict[tuple[int, int], int]) -> list[tuple[int, int]]:
+        self.steps += 1
+        if self.steps % self.stride:
+            return []
+        by_problem: dict[int, dict[int, int]] = {}
+        for (p, k), tokens in running.items():
+            by_problem.setdefault(p, {})[k] = tokens
+        aborts = []
+        for p, paths in by_problem.items():
+            def check(done, _answers, run, unstarted, p=p, paths=paths):
+                return self.in_flight([self.answers[p][k] for k in done],
+                                      [self.lengths[p][k] for k in done],
+                                      [(paths.get(k, 0), lambda k=k: self.texts(p, k, paths.get(k, 0)))
+                                       for k in run], unstarted)
+            submit, abort = self.planner.on_progress(p, check)
+            self.queue.extend(submit)
+            aborts += self._running(abort)
+        return aborts
+
+
+def in_flight_admission(planner, rule, problems, ids, recorded, votes, texts, model, stride: int):
+    """An :class:`InFlightAdmission` voting on running paths' forecasts
+    (``model``), cut from the trace file's ``texts``; with ``model`` an
+    :class:`OracleAt`, on their own final answers."""
+    from consensus_spec.sampling.forecast import InFlightCheck
+
+    answers = [[votes[p].answers[i] for i in recorded[p]] for p in range(len(problems))]
+    lengths = [[len(c) for c in prob.completions] for prob in problems]
+    if isinstance(model, OracleAt):
+        check = oracle_check(rule, model.at)
+        cut = lambda p, k, tokens: (answers[p][k], lengths[p][k])  # noqa: E731
+    else:
+        check = InFlightCheck(rule, model=model, extract=texts.extract)
+        cut = lambda p, k, tokens: texts.cut(votes[p].id, recorded[p][k], tokens)  # noqa: E731
+    return InFlightAdmission(planner, ids, check, answers, lengths, cut, stride), check
+
+
+@dataclass(frozen=True)
+class OracleAt:
+    """``--forecast-model oracle:AT``: a ceiling, not a forecast."""
+    at: float
+
+
+def oracle_check(rule, at: float):
+    """The in-flight vote with each running path's own final answer known
+    once it is ``at`` of its length through (before: the vote's own chance)."""
+    from consensus_spec.sampling.forecast import InFlightCheck, flip_with_running
+    from consensus_spec.sampling.stopping import tally
+    from consensus_spec.voting.answers import answers_equal
+    from consensus_spec.voting.vote import cluster_answers
+
+    class Oracle(InFlightCheck):
+        def __call__(self, answers, lengths, running, unstarted):
+            if not running or all(a is None for a in answers):
+                return False
+            self.checks += 1
+            ids = cluster_answers(list(answers))
+            ranked = tally(ids)
+            lead, second = ranked[0][1], (ranked[1][1] if len(ranked) > 1 else 0)
+            other, length = len(ids) - lead - second, sum(lengths) / len(lengths)
+            leader = next(a for a, i in zip(answers, ids) if i == ranked[0][0])
+            base = self.prior.leader_share(lead, second, other, length)
+            chances = []
+            for tokens, final in running:
+                answer, total = final()
+                known = tokens >= at * total
+                chances.append(base if not known else float(answer is not None and answers_equal(answer, leader)))
+            return flip_with_running(self.prior, lead, second, other, chances, unstarted, length) <= self.rule.error
+
+    return Oracle(rule)
+
+
+def forecast_models(args, tokenizer, replayed: list[str]):
+    """Set name -> forecast model (``--forecast-model``); ``others``: a
+    shared set's model is fitted on the other shared sets, never on itself."""
+    import json as _json
+
+    from consensus_spec.sampling.forecast import PROGRESS_BANDS, ForecastModel
+
+    from ..traces import shared_path
+    from .forecast import DEFAULT_TRACES as FIT_SETS
+    from .forecast import fit_others, load_paths
+
+    if args.forecast_model.startswith("oracle:"):
+        oracle = OracleAt(float(args.forecast_model.split(":", 1)[1]))
+        return lambda name: oracle
+    if args.forecast_model not in ("others", "shipped"):
+        with open(args.forecast_model) as f:
+            model = ForecastModel.from_json(_json.load(f))
+        return lambda name: model
+    names = {os.path.splitext(t)[0]: t for t in FIT_SETS}
+    if args.forecast_model == "shipped" or not any(n in names for n in replayed):
+        return lambda name: ForecastModel.default()
+    sets = {n: load_paths(shared_path("traces", t), tokenizer, None, PROGRESS_BANDS) for n, t in names.items()}
+    models = {name: fit_others(sets, name) for name in sets}
+    return lambda name: models.get(name) or ForecastModel.default()
+
+
