@@ -186,3 +186,33 @@ def test_async_loop_stops_sooner_with_a_forecast_as_the_step_loop_does():
     with pytest.raises(ValueError, match="DELTA"):
         asyncio.run(run_paths_async(FakeAsyncEngine(script_stating(table)).generate, None, ["q"],
                                     params_factory(), 16, stop_rule=StopRule(forecast=True)))
+
+
+def test_run_ahead_weighs_the_running_paths_forecasts():
+    from consensus_spec.sampling.run_ahead import RunAhead
+
+    ahead = RunAhead(StopRule())
+    plain = ahead.worth(["5", "5"], [5], 16)
+    assert plain == ahead.worth(["5", "5"], [5], 16, [])
+    sure, doubt = ahead.worth(["5", "5"], [5], 16, [0.99, 0.99]), ahead.worth(["5", "5"], [5], 16, [0.0, 0.0])
+    assert sure < plain < doubt == 1.0  # two runner-up votes to come: the wave is surely needed
+
+
+def test_planner_hands_run_ahead_the_books_forecasts():
+    seen = []
+
+    class Recorder:
+        costs = None
+
+        def worth(self, answers, looks, n, running=None):
+            seen.append(running)
+            return 0.0
+
+        def choose(self, first, spare, rows, following, own):
+            return []
+
+    planner = PathPlanner(1, 8, Schedule(waves=(2,), capacity=8), lambda p, a, r: False,
+                          run_ahead=Recorder())
+    planner.running_forecast = lambda p: [0.9, 0.8]
+    planner.admit()
+    assert seen and seen[-1] == [0.9, 0.8]

@@ -246,6 +246,7 @@ class PathBook:
             prior = AnswerPrior.learning()
         self.prior = prior
         self.in_flight = None
+        self._forecasts: dict[int, tuple | None] = {}  # problem -> (running paths, their forecasts)
         if stop_rule is not None and stop_rule.forecast:
             self.in_flight = InFlightCheck(stop_rule, prior, forecast_model, voting.extract,
                                            voting.timeout_s)
@@ -269,6 +270,8 @@ class PathBook:
 
         self.planner = PathPlanner(num, n, schedule, stop_check if stop_rule is not None else None,
                                    idle_rows, run_ahead)
+        if self.in_flight is not None:
+            self.planner.running_forecast = self.running_forecast
 
     def admit(self) -> list[tuple[int, int]]:
         """Paths to submit now (see :meth:`PathPlanner.admit`)."""
@@ -314,18 +317,29 @@ class PathBook:
             return [], []
         submit, abort = [], []
         for p in sorted({p for p, _ in self.accs}):
-            got = self.planner.on_progress(p, lambda done, answers, running, unstarted, p=p:
-                                           self.in_flight(
-                                               answers, [self.samples[p][k].num_tokens for k in done],
-                                               [(self.accs[p, k].num_tokens,
-                                                 lambda k=k: self.accs[p, k].text) for k in running],
-                                               unstarted))
+            def check(done, answers, running, unstarted, p=p):
+                stop = self.in_flight(answers, [self.samples[p][k].num_tokens for k in done],
+                                      [(self.accs[p, k].num_tokens, lambda k=k: self.accs[p, k].text)
+                                       for k in running], unstarted)
+                chances = self.in_flight.last_chances
+                self._forecasts[p] = (tuple(running), chances) if chances else None
+                return stop
+            got = self.planner.on_progress(p, check)
             if got[1]:
                 self.last_look[p] = (len(self.samples[p]), self.planner.num_unsent(p))
             self._abort(got[1])
             submit += self._started(got[0])
             abort += got[1]
         return submit, abort
+
+    def running_forecast(self, p: int) -> list[float] | None:
+        """The forecasts of problem ``p``'s running paths from the last vote
+        that read them, while the same paths run (run-ahead weighs them)."""
+        got = self._forecasts.get(p)
+        st = self.planner.problems.get(p)
+        if got is None or st is None or got[0] != tuple(sorted(st.inflight)):
+            return None
+        return got[1]
 
     def _abort(self, keys: list[tuple[int, int]]) -> None:
         for a in keys:

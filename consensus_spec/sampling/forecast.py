@@ -184,6 +184,7 @@ class InFlightCheck:
         self.model = model or ForecastModel.default()
         self.extract, self.timeout_s = extract, timeout_s
         self.checks = self.reads = 0  # votes taken, partial texts read
+        self.last_chances: list[float] | None = None  # the last vote's forecasts, if it read them
         self._clusters: dict[tuple, list] = {}  # finished answers -> class ids (bounded)
 
     def __call__(self, answers: Sequence[str | None], lengths: Sequence[int],
@@ -203,6 +204,7 @@ class InFlightCheck:
         length = sum(lengths) / len(lengths) if lengths else None
         error = self.rule.error
         self.checks += 1
+        self.last_chances = None
         if flip_with_running(self.prior, lead, second, other, [1.0] * len(running), unstarted,
                              length) > error:
             return False  # not even if every running path ended on the leader
@@ -219,6 +221,7 @@ class InFlightCheck:
             state = evidence(text(), leader, self.extract,
                              lambda a, b: answers_equal(a, b, self.timeout_s))
             chances.append(self.model.p_leader(base, progress, state))
+        self.last_chances = chances  # run-ahead weighs them (PathBook.running_forecast)
         return flip_with_running(self.prior, lead, second, other, chances, unstarted, length) <= error
 
 

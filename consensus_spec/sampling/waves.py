@@ -199,6 +199,7 @@ class PathPlanner:
         self.stop_check = stop_check
         self.idle_rows = idle_rows  # None: rows this run's capacity leaves free are idle
         self.run_ahead = run_ahead
+        self.running_forecast: Callable[[int], list | None] | None = None  # p -> running paths' forecasts
         self.sizes = self.schedule.sizes(n)
         self.ends = list(itertools.accumulate(self.sizes))  # one past each wave's last path
         self.problems: dict[int, _Problem] = {}
@@ -322,7 +323,8 @@ class PathPlanner:
             j = st.wave + 1 + ahead.get(p, 0)
             if j >= len(self.sizes):
                 return None
-            return self.run_ahead.worth(st.answers, self._looks(st, j), self.n), self.sizes[j]
+            running = self.running_forecast(p) if self.running_forecast is not None else None
+            return self.run_ahead.worth(st.answers, self._looks(st, j), self.n, running), self.sizes[j]
 
         def following(p: int):
             ahead[p] = ahead.get(p, 0) + 1
