@@ -216,3 +216,20 @@ def test_planner_hands_run_ahead_the_books_forecasts():
     planner.running_forecast = lambda p: [0.9, 0.8]
     planner.admit()
     assert seen and seen[-1] == [0.9, 0.8]
+
+
+def test_a_failing_forecast_leaves_the_run_to_the_rule(caplog):
+    from consensus_spec.sampling.self_consistency import Voting
+
+    table = [[("5", 60 + 2 * k) for k in range(16)]]
+    def extract(text):  # the vote's own extraction works; the partial-text one breaks
+        if "The answer is" not in text:
+            raise RuntimeError("extractor bug")
+        return text.rsplit(" ", 1)[-1].rstrip(".")
+
+    engine = FakeEngine(script_stating(table))
+    (r,) = run_paths(engine, ["q"], params_factory(delta=True), n=16, delta=True,
+                     stop_rule=StopRule(forecast=True), forecast_model=sure(),
+                     voting=Voting(extract=extract))
+    assert r.answer == "5" and r.stopped_early and not engine.has_unfinished_requests()
+    assert "the forecast failed" in caplog.text

@@ -11,6 +11,7 @@ read vLLM's Prometheus metrics.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import uuid
@@ -40,6 +41,7 @@ __all__ = [
     "spec_stats_delta",
 ]
 
+_log = logging.getLogger(__name__)
 WEIGHT_METHODS = ("exp_mean", "softmax", "confidence")
 FORECAST_STRIDE = 8  # engine steps between votes on running paths (each reads their text)
 
@@ -324,7 +326,14 @@ class PathBook:
                 chances = self.in_flight.last_chances
                 self._forecasts[p] = (tuple(running), chances) if chances else None
                 return stop
-            got = self.planner.on_progress(p, check)
+            try:
+                got = self.planner.on_progress(p, check)
+            except Exception:  # noqa: BLE001 - a forecast must never fail the run
+                _log.warning("the forecast failed: this run goes on with the stop rule alone",
+                             exc_info=True)
+                self.in_flight, self._forecasts = None, {}
+                self.planner.running_forecast = None
+                return submit, abort
             if got[1]:
                 self.last_look[p] = (len(self.samples[p]), self.planner.num_unsent(p))
             self._abort(got[1])

@@ -189,6 +189,7 @@ class InFlightCheck:
 
     def __call__(self, answers: Sequence[str | None], lengths: Sequence[int],
                  running: Sequence[tuple[int, Callable[[], str]]], unstarted: int) -> bool:
+        self.last_chances = None
         if not running or all(a is None for a in answers):
             return False
         key = tuple(answers)
@@ -204,7 +205,6 @@ class InFlightCheck:
         length = sum(lengths) / len(lengths) if lengths else None
         error = self.rule.error
         self.checks += 1
-        self.last_chances = None
         if flip_with_running(self.prior, lead, second, other, [1.0] * len(running), unstarted,
                              length) > error:
             return False  # not even if every running path ended on the leader
