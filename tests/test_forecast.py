@@ -119,9 +119,10 @@ def test_run_paths_with_a_forecast_stops_sooner_with_the_same_answer():
     runs = {}
     for forecast in (False, True):
         engine = FakeEngine(script_stating(table))
-        (r,) = run_paths(engine, ["q"], params_factory(delta=True), n=16, delta=True,
-                         stop_rule=StopRule(forecast=forecast), forecast_model=sure())
-        runs[forecast] = r
+        run = run_paths(engine, ["q"], params_factory(delta=True), n=16, delta=True,
+                        stop_rule=StopRule(forecast=forecast), forecast_model=sure())
+        runs[forecast] = run[0]
+        assert (run.forecast is None) == (not forecast)
         assert not engine.has_unfinished_requests()
     plain, ahead = runs[False], runs[True]
     assert plain.answer == ahead.answer == "5" and plain.stopped_early and ahead.stopped_early
@@ -233,3 +234,20 @@ def test_a_failing_forecast_leaves_the_run_to_the_rule(caplog):
                      voting=Voting(extract=extract))
     assert r.answer == "5" and r.stopped_early and not engine.has_unfinished_requests()
     assert "the forecast failed" in caplog.text
+
+
+def test_forecasts_are_scored_on_the_paths_that_finish_after_them():
+    from consensus_spec.sampling.forecast import ForecastScore
+
+    score = ForecastScore()
+    score.add(0.9, 0.6, True)
+    score.add(0.2, 0.6, False)
+    d = score.as_dict()
+    assert d["paths"] == 2 and d["log_loss"] < d["log_loss_without"]
+    # paths that show a runner-up's answer keep the vote open: they finish, and are scored
+    table = [[("5" if k % 3 else "6", 60 + 2 * k) for k in range(16)]]
+    run = run_paths(FakeEngine(script_stating(table)), ["q"], params_factory(delta=True), n=16,
+                    delta=True, stop_rule=StopRule(forecast=True), forecast_model=sure(),
+                    schedule=Schedule(waves=(4,)))
+    assert run.forecast["paths"] >= 1
+    assert run.forecast["log_loss"] < run.forecast["log_loss_without"]

@@ -18,12 +18,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from ..voting.answers import DEFAULT_TIMEOUT_S, extract_answer
+from ..voting.answers import DEFAULT_TIMEOUT_S, answers_equal, extract_answer
 from ..voting.confidence import DEFAULT_WINDOW, confidence_weights
 from .results import ProblemResult, Sample, SelfConsistencyRun, SpecDecodeStats
 from .routing import request_pinning
 from .answer_prior import AnswerPrior
-from .forecast import ForecastModel, InFlightCheck
+from .forecast import ForecastModel, ForecastScore, InFlightCheck
 from .stopping import StopRule
 from .stopping import should_stop as rule_says_stop
 from ..voting.vote import VoteResult, logprob_weights, majority_vote
@@ -249,6 +249,8 @@ class PathBook:
         self.prior = prior
         self.in_flight = None
         self._forecasts: dict[int, tuple | None] = {}  # problem -> (running paths, their forecasts)
+        self._predicted: dict[tuple[int, int], tuple] = {}  # running path -> (forecast, base, leader)
+        self.forecast_score = ForecastScore()
         if stop_rule is not None and stop_rule.forecast:
             self.in_flight = InFlightCheck(stop_rule, prior, forecast_model, voting.extract,
                                            voting.timeout_s)
@@ -301,9 +303,15 @@ class PathBook:
         self.samples[p][k] = Sample(k, acc.text, self.voting.extract(acc.text), acc.num_tokens,
                                     acc.cumulative_logprob, acc.finish_reason, acc.stop_reason,
                                     acc.token_ids, acc.logprobs or None)
+        predicted = self._predicted.pop(key, None)
+        if predicted is not None:
+            answer = self.samples[p][k].answer
+            self.forecast_score.add(predicted[0], predicted[1], answer is not None and
+                                    answers_equal(answer, predicted[2], self.voting.timeout_s))
         to_submit, to_abort = self.planner.on_finish(p, k, self.samples[p][k].answer)
         for a in to_abort:
             self.aborted.setdefault(a[0], {})[a[1]] = self.accs.pop(a)
+            self._predicted.pop(a, None)
         if self.prior is not None and self.planner.done(p) and p not in self._votes:
             vote = self._votes[p] = self.vote_of(p)
             done = self._finished(p)
@@ -325,6 +333,8 @@ class PathBook:
                                        for k in running], unstarted)
                 chances = self.in_flight.last_chances
                 self._forecasts[p] = (tuple(running), chances) if chances else None
+                for k, q in zip(running, chances or ()):  # scored once the path finishes
+                    self._predicted[p, k] = (q, self.in_flight.last_base, self.in_flight.last_leader)
                 return stop
             try:
                 got = self.planner.on_progress(p, check)
@@ -353,6 +363,7 @@ class PathBook:
     def _abort(self, keys: list[tuple[int, int]]) -> None:
         for a in keys:
             self.aborted.setdefault(a[0], {})[a[1]] = self.accs.pop(a)
+            self._predicted.pop(a, None)
         for p in {a[0] for a in keys}:
             if self.prior is not None and self.planner.done(p) and p not in self._votes:
                 vote = self._votes[p] = self.vote_of(p)
@@ -415,7 +426,9 @@ class PathBook:
                       max_tokens=self.max_tokens)
         return SelfConsistencyRun(results, None, wall, config, engine_steps=steps,
                                   mean_inflight=mean_inflight,
-                                  batch_fill=mean_inflight / cap if cap else None)
+                                  batch_fill=mean_inflight / cap if cap else None,
+                                  forecast=self.forecast_score.as_dict() if self.stop_rule is not None
+                                  and self.stop_rule.forecast else None)
 
 
 def run_paths(

@@ -39,7 +39,7 @@ from ..voting.vote import cluster_answers
 from .answer_prior import AnswerPrior
 from .stopping import StopRule, tally
 
-__all__ = ["PROGRESS_BANDS", "STATES", "ForecastModel", "InFlightCheck", "evidence",
+__all__ = ["PROGRESS_BANDS", "STATES", "ForecastModel", "ForecastScore", "InFlightCheck", "evidence",
            "flip_with_running"]
 
 # progress (tokens so far / median finished length): band i is [edge i-1, edge i)
@@ -161,6 +161,32 @@ def flip_with_running(prior: AnswerPrior, lead: int, second: int, other: int,
     return min(1.0, flip)
 
 
+@dataclass
+class ForecastScore:
+    """How a run's forecasts did, checked on the paths that finished after
+    one was made: mean log loss of P(ends on the leader) against the
+    outcome, beside the vote's own chance alone (no text read).  Lower is
+    better; a forecast that does not beat its own baseline here is not
+    helping on this model."""
+
+    paths: int = 0
+    loss: float = 0.0
+    loss_without: float = 0.0
+
+    def add(self, chance: float, base: float, on_leader: bool) -> None:
+        def log_loss(q: float) -> float:
+            q = min(max(q, 1e-6), 1.0 - 1e-6)
+            return -math.log(q if on_leader else 1.0 - q)
+        self.paths += 1
+        self.loss += log_loss(chance)
+        self.loss_without += log_loss(base)
+
+    def as_dict(self) -> dict:
+        n = max(self.paths, 1)
+        return {"paths": self.paths, "log_loss": round(self.loss / n, 4),
+                "log_loss_without": round(self.loss_without / n, 4)}
+
+
 class InFlightCheck:
     """The ``bayes`` stop vote counting the paths still running.
 
@@ -185,6 +211,7 @@ class InFlightCheck:
         self.extract, self.timeout_s = extract, timeout_s
         self.checks = self.reads = 0  # votes taken, partial texts read
         self.last_chances: list[float] | None = None  # the last vote's forecasts, if it read them
+        self.last_base, self.last_leader = 0.0, None  # that vote's own chance, and its leader
         self._clusters: dict[tuple, list] = {}  # finished answers -> class ids (bounded)
 
     def __call__(self, answers: Sequence[str | None], lengths: Sequence[int],
@@ -222,6 +249,7 @@ class InFlightCheck:
                              lambda a, b: answers_equal(a, b, self.timeout_s))
             chances.append(self.model.p_leader(base, progress, state))
         self.last_chances = chances  # run-ahead weighs them (PathBook.running_forecast)
+        self.last_base, self.last_leader = base, leader
         return flip_with_running(self.prior, lead, second, other, chances, unstarted, length) <= error
 
 
