@@ -4,7 +4,7 @@
 for engines that stream each request's outputs as an async iterator, as
 vLLM's ``AsyncLLM`` / ``EngineClient`` does (``generate(prompt, params,
 request_id)`` and ``abort(request_ids)``): the same
-:class:`~consensus_spec.sampling.engine_loop.PathBook` (planner, stop rule,
+:class:`~consensus_spec.sampling.path_book.PathBook` (planner, stop rule,
 vote), fed by one task per running path instead of an engine step loop.
 Other requests may share the engine: only this run's ids are touched.
 
@@ -22,7 +22,8 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 
-from .engine_loop import FORECAST_STRIDE, PathBook, Voting, check_run_options
+from .engine_loop import Voting, check_run_options
+from .path_book import FORECAST_STRIDE, PathBook
 from .results import SelfConsistencyRun
 from .stopping import StopRule
 from .waves import Schedule
@@ -80,7 +81,7 @@ async def run_paths_async(
     :class:`~consensus_spec.sampling.answer_prior.AnswerPrior` (a server
     keeps one for all its runs).  With ``stop_rule.forecast`` (DELTA
     outputs), each time a running path has written another
-    :data:`~consensus_spec.sampling.engine_loop.FORECAST_STRIDE` tokens the
+    :data:`~consensus_spec.sampling.path_book.FORECAST_STRIDE` tokens the
     running paths' forecasts are voted on too (``forecast_model``).
     """
     schedule, voting = check_run_options(schedule, stop_rule, voting)

@@ -30,7 +30,7 @@ import random
 import sys
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from ..options import add_option_arg, add_trace_args, fail, parse_options, trace_sets, write_results
 from ..replay.bench import CpuTimed, add_table_args, load_tables
