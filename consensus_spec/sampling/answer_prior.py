@@ -251,6 +251,14 @@ class AnswerPrior:
             out += [(lead * l1 + (other + 1) * lr, lead, 0), (lead * l2 + (other + 1) * lr, lead, 1)]
         return out
 
+    def _posterior(self, lead: int, second: int, other: int,
+                   weights: np.ndarray) -> list[tuple[np.ndarray, int, int]]:
+        """Each of :meth:`_branches` as (unnormalised posterior weight per
+        cell, gap, way), scaled by one common factor."""
+        branches = self._branches(lead, second, other)
+        top = max(b[0].max() for b in branches)
+        return [(weights * np.exp(log - top), gap, way) for log, gap, way in branches]
+
     def _likelihoods(self, shapes: list[tuple[int, int, int]]) -> np.ndarray:
         """[shape, cell] likelihood up to a factor per shape (every way round)."""
         rows = []
@@ -278,11 +286,8 @@ class AnswerPrior:
         hit, weights, version, key = self._cached(key, length)
         if hit is not None:
             return hit
-        branches = self._branches(lead, second, other)
-        top = max(b[0].max() for b in branches)
         flip = total = 0.0
-        for log, gap, way in branches:
-            w = weights * np.exp(log - top)
+        for w, gap, way in self._posterior(lead, second, other, weights):
             flip += float(w @ _overtake(gap, remaining)[way])
             total += float(w.sum())
         return self._remember(key, version, min(1.0, max(0.0, flip / total)))
@@ -296,11 +301,8 @@ class AnswerPrior:
         hit, weights, version, key = self._cached(("share", lead, second, other), length)
         if hit is not None:
             return hit
-        branches = self._branches(lead, second, other)
-        top = max(b[0].max() for b in branches)
         share = total = 0.0
-        for log, _, way in branches:
-            w = weights * np.exp(log - top)
+        for w, _, way in self._posterior(lead, second, other, weights):
             share += float(w @ (self._p2 if way else self._p1))
             total += float(w.sum())
         return self._remember(key, version, min(1.0, max(0.0, share / total)))

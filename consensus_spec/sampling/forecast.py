@@ -40,14 +40,14 @@ from .answer_prior import AnswerPrior
 from .stopping import StopRule, tally
 
 __all__ = ["PROGRESS_BANDS", "STATES", "ForecastModel", "ForecastScore", "InFlightCheck", "evidence",
-           "flip_with_running"]
+           "flip_with_running", "leader_votes"]
 
 # progress (tokens so far / median finished length): band i is [edge i-1, edge i)
 PROGRESS_BANDS = (0.5, 0.7, 0.8, 0.9, 1.0, 1.1, 1.3, 1.6)
 STATES = ("leader", "other", "none")  # the partial text's last answer: the leader's, another, none
 MAX_LOG_RATIO = 4.0  # a forecast is never surer than e^4 : 1 on one path's text
 SMOOTHING = 0.5  # pseudo-count per (band, state) cell when fitting
-CLUSTER_MEMO = 1024  # finished-answer tuples an InFlightCheck remembers the clusters of
+CLUSTER_MEMO = 1024  # finished-answer tuples an InFlightCheck remembers the vote of
 
 
 def evidence(partial_text: str, leader: str | None, extract: Callable[[str], str | None],
@@ -136,6 +136,16 @@ class ForecastModel:
         return _default()
 
 
+def leader_votes(running: Sequence[float]) -> np.ndarray:
+    """P(a of the running paths end on the leader), a = 0..len(running),
+    each ending there independently with its chance in ``running``."""
+    dist = np.ones(1)
+    for q in running:
+        q = min(max(float(q), 0.0), 1.0)
+        dist = np.concatenate([dist * (1.0 - q), [0.0]]) + np.concatenate([[0.0], dist * q])
+    return dist
+
+
 def flip_with_running(prior: AnswerPrior, lead: int, second: int, other: int,
                       running: Sequence[float], unstarted: int, length: float | None = None) -> float:
     """P(the vote flips) when ``running`` paths are still running, each
@@ -144,13 +154,9 @@ def flip_with_running(prior: AnswerPrior, lead: int, second: int, other: int,
     :meth:`AnswerPrior.flip_probability`.  A running path that does not end
     on the leader is counted for the runner-up (the worst it can do), and a
     runner-up level with or ahead of the leader counts as a flip."""
-    dist = np.ones(1)  # P(a of the running paths so far end on the leader)
-    for q in running:
-        q = min(max(float(q), 0.0), 1.0)
-        dist = np.concatenate([dist * (1.0 - q), [0.0]]) + np.concatenate([[0.0], dist * q])
     m = len(running)
     flip = 0.0
-    for a, mass in enumerate(dist):
+    for a, mass in enumerate(leader_votes(running)):
         if mass <= 0.0:
             continue
         lead_a, second_a = lead + a, second + m - a
@@ -217,30 +223,36 @@ class InFlightCheck:
         self.checks = self.reads = 0  # votes taken, partial texts read
         self.last_chances: list[float] | None = None  # the last vote's forecasts, if it read them
         self.last_base, self.last_leader = 0.0, None  # that vote's own chance, and its leader
-        self._clusters: dict[tuple, list] = {}  # finished answers -> class ids (bounded)
+        self._shapes: dict[tuple, tuple] = {}  # finished answers -> shape() (bounded)
+
+    def shape(self, answers: Sequence[str | None]) -> tuple[int, int, int, str]:
+        """(leader's votes, runner-up's, the rest, the leader's answer) of
+        finished answers (at least one not None)."""
+        key = tuple(answers)
+        got = self._shapes.get(key)
+        if got is None:  # the same finished answers are voted on every few steps: cluster once
+            if len(self._shapes) >= CLUSTER_MEMO:
+                self._shapes.clear()
+            ids = cluster_answers(list(answers), self.timeout_s)
+            ranked = tally(ids)
+            lead = ranked[0][1]
+            second = ranked[1][1] if len(ranked) > 1 else 0
+            leader = next(a for a, i in zip(answers, ids) if i == ranked[0][0])
+            got = self._shapes[key] = (lead, second, len(ids) - lead - second, leader)
+        return got
 
     def __call__(self, answers: Sequence[str | None], lengths: Sequence[int],
                  running: Sequence[tuple[int, Callable[[], str]]], unstarted: int) -> bool:
         self.last_chances = None
         if not running or all(a is None for a in answers) or len(running) > len(answers):
             return False  # more running than finished: see the class docstring
-        key = tuple(answers)
-        ids = self._clusters.get(key)
-        if ids is None:  # the same finished answers are voted on every few steps: cluster once
-            if len(self._clusters) >= CLUSTER_MEMO:
-                self._clusters.clear()
-            ids = self._clusters[key] = cluster_answers(list(answers), self.timeout_s)
-        ranked = tally(ids)
-        lead = ranked[0][1]
-        second = ranked[1][1] if len(ranked) > 1 else 0
-        other = len(ids) - lead - second
+        lead, second, other, leader = self.shape(answers)
         length = sum(lengths) / len(lengths) if lengths else None
         error = self.rule.error
         self.checks += 1
         if flip_with_running(self.prior, lead, second, other, [1.0] * len(running), unstarted,
                              length) > error:
             return False  # not even if every running path ended on the leader
-        leader = next(a for a, i in zip(answers, ids) if i == ranked[0][0])
         base = self.prior.leader_share(lead, second, other, length)
         median = float(np.median(lengths)) if lengths else 0.0
         chances = []

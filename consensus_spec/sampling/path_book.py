@@ -81,7 +81,6 @@ class _Accumulator:
         return "".join(self.texts)
 
 
-
 class PathBook:
     """One run's bookkeeping, shared by :func:`run_paths` (step-driven) and
     :func:`~consensus_spec.sampling.async_loop.run_paths_async` (an async
@@ -172,14 +171,8 @@ class PathBook:
             self.forecast_score.add(predicted[0], predicted[1], answer is not None and
                                     answers_equal(answer, predicted[2], self.voting.timeout_s))
         to_submit, to_abort = self.planner.on_finish(p, k, self.samples[p][k].answer)
-        for a in to_abort:
-            self.aborted.setdefault(a[0], {})[a[1]] = self.accs.pop(a)
-            self._predicted.pop(a, None)
-        if self.prior is not None and self.planner.done(p) and p not in self._votes:
-            vote = self._votes[p] = self.vote_of(p)
-            done = self._finished(p)
-            self.prior.observe([c.count for c in vote[0].classes], vote[0].num_abstained,
-                               sum(x.num_tokens for x in done) / len(done) if done else None)
+        self._abort(to_abort)
+        self._final_vote(p)
         return self._started(to_submit), to_abort
 
     def progress(self) -> tuple[list, list]:
@@ -210,6 +203,7 @@ class PathBook:
             if got[1]:
                 self.last_look[p] = (len(self.samples[p]), self.planner.num_unsent(p))
             self._abort(got[1])
+            self._final_vote(p)
             submit += self._started(got[0])
             abort += got[1]
         return submit, abort
@@ -227,12 +221,14 @@ class PathBook:
         for a in keys:
             self.aborted.setdefault(a[0], {})[a[1]] = self.accs.pop(a)
             self._predicted.pop(a, None)
-        for p in {a[0] for a in keys}:
-            if self.prior is not None and self.planner.done(p) and p not in self._votes:
-                vote = self._votes[p] = self.vote_of(p)
-                done = self._finished(p)
-                self.prior.observe([c.count for c in vote[0].classes], vote[0].num_abstained,
-                                   sum(x.num_tokens for x in done) / len(done) if done else None)
+
+    def _final_vote(self, p: int) -> None:
+        """Once problem ``p``'s vote is final, take it and show it to the prior."""
+        if self.prior is not None and self.planner.done(p) and p not in self._votes:
+            vote = self._votes[p] = self.vote_of(p)
+            done = self._finished(p)
+            self.prior.observe([c.count for c in vote[0].classes], vote[0].num_abstained,
+                               sum(x.num_tokens for x in done) / len(done) if done else None)
 
     def _started(self, paths: list[tuple[int, int]]) -> list[tuple[int, int]]:
         keep = self.keep_outputs or self.voting.needs_token_logprobs

@@ -53,6 +53,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from ..voting.answers import normalize_answer
 from .answer_prior import AnswerPrior
+from .forecast import leader_votes
 from .stopping import StopRule, should_stop_ids
 
 __all__ = ["RowCosts", "RunAhead", "RunAheadStats", "need_probability", "tally_keys"]
@@ -216,20 +217,14 @@ class RunAhead:
         counts, none = tally_keys(answers)
         if not running or not counts:
             return need_probability(counts, none, tuple(looks), n, self.rule, self.prior)
-        dist = [1.0]  # P(a of the running paths end on the leader)
-        for q in running:
-            nxt = [0.0] * (len(dist) + 1)
-            for a, mass in enumerate(dist):
-                nxt[a] += mass * (1.0 - q)
-                nxt[a + 1] += mass * q
-            dist = nxt
         m, lead, rest = len(running), counts[0], counts[1:]
         need = 0.0
-        for a, mass in enumerate(dist):
+        for a, mass in enumerate(leader_votes(running)):
             if mass > 0.0:
                 second = (rest[0] if rest else 0) + m - a
                 ranked = tuple(sorted((lead + a, second) + tuple(rest[1:]), reverse=True))
-                need += mass * need_probability(ranked, none, tuple(looks), n, self.rule, self.prior)
+                need += float(mass) * need_probability(ranked, none, tuple(looks), n, self.rule,
+                                                       self.prior)
         return min(1.0, need)
 
     def kappa(self, rows: int, extra: int) -> float:

@@ -19,25 +19,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 
 import numpy as np
 
 from consensus_spec.sampling.forecast import STATES, ForecastModel, evidence
-from consensus_spec.voting.answers import answers_equal, extract_answer
+from consensus_spec.voting.answers import answers_equal
 
 from ..options import add_trace_args, fail, trace_sets, write_json
 from ..traces import load_tokenizer
-from .vote_traces import load_vote_traces, program_answer, winner
-
-DEFAULT_TRACES = ("gsm8k_qwen3_4b_n8.jsonl", "addsub_codex002_n40.jsonl", "svamp_pot_codex002_n30.jsonl")
-
-
-def partial_extractor(path: str):
-    """The extractor for a set's partial texts (as :func:`load_vote_traces` answers it)."""
-    return program_answer if "_pot_" in os.path.basename(path) else extract_answer
-
+from .stop_rules import DEFAULT_TRACES
+from .vote_traces import answer_extractor, load_vote_traces, winner
 
 class PathTexts:
     """A trace file's completion texts, cut at a number of tokens, by
@@ -47,7 +39,7 @@ class PathTexts:
 
     def __init__(self, path: str, tokenizer, limit: int | None = None):
         self.tokenizer = tokenizer
-        self.extract = partial_extractor(path)
+        self.extract = answer_extractor(path)  # partial texts are read as the vote reads whole ones
         self.texts: dict[str, list[str]] = {}
         self._offsets: dict[tuple[str, int], list[int]] = {}
         with open(path, encoding="utf-8") as f:
@@ -106,7 +98,7 @@ def path_checks(trace, texts: PathTexts, extract, bands) -> list[tuple[bool, lis
 def load_paths(path: str, tokenizer, limit: int | None, bands) -> list:
     traces = load_vote_traces(path, tokenizer, limit=limit)
     texts = PathTexts(path, tokenizer, limit)
-    extract = partial_extractor(path)
+    extract = answer_extractor(path)
     return [pc for t in traces for pc in path_checks(t, texts, extract, bands)]
 
 

@@ -70,20 +70,15 @@ def oracle_check(rule, at: float):
     """The in-flight vote with each running path's own final answer known
     once it is ``at`` of its length through (before: the vote's own chance)."""
     from consensus_spec.sampling.forecast import InFlightCheck, flip_with_running
-    from consensus_spec.sampling.stopping import tally
     from consensus_spec.voting.answers import answers_equal
-    from consensus_spec.voting.vote import cluster_answers
 
-    class Oracle(InFlightCheck):
+    class Oracle(InFlightCheck):  # no guard, no text: the ceiling of any forecast
         def __call__(self, answers, lengths, running, unstarted):
             if not running or all(a is None for a in answers):
                 return False
             self.checks += 1
-            ids = cluster_answers(list(answers))
-            ranked = tally(ids)
-            lead, second = ranked[0][1], (ranked[1][1] if len(ranked) > 1 else 0)
-            other, length = len(ids) - lead - second, sum(lengths) / len(lengths)
-            leader = next(a for a, i in zip(answers, ids) if i == ranked[0][0])
+            lead, second, other, leader = self.shape(answers)
+            length = sum(lengths) / len(lengths)
             base = self.prior.leader_share(lead, second, other, length)
             chances = []
             for tokens, final in running:

@@ -124,10 +124,16 @@ def gold_classes(answers: list, gold) -> tuple[list[int | None], list[bool] | No
     return ids, [answers_equal(reps[i], str(gold)) for i in range(len(reps))]
 
 
+def answer_extractor(path: str):
+    """The extractor for a trace file's texts: :func:`program_answer` for
+    program-of-thought files (``*_pot_*``), else ``extract_answer``."""
+    return program_answer if "_pot_" in os.path.basename(path) else extract_answer
+
+
 def load_vote_traces(path: str, tokenizer, limit: int | None = None) -> list[VoteTrace]:
     """Answers by :func:`program_answer` in program-of-thought files
     (``*_pot_*``), else by ``extract_answer``."""
-    extract = program_answer if "_pot_" in os.path.basename(path) else extract_answer
+    extract = answer_extractor(path)
     out = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
