@@ -17,7 +17,6 @@ writes the JSON the package ships (``consensus_spec/sampling/forecast.json``).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 
@@ -27,7 +26,7 @@ from consensus_spec.sampling.forecast import STATES, ForecastModel, evidence
 from consensus_spec.voting.answers import answers_equal
 
 from ..options import add_trace_args, fail, trace_sets, write_json
-from ..traces import load_tokenizer
+from ..traces import TraceLines, completion_texts, load_tokenizer, trace_id
 from .stop_rules import DEFAULT_TRACES
 from .vote_traces import answer_extractor, load_vote_traces, winner
 
@@ -37,30 +36,24 @@ class PathTexts:
     or, for lines recorded with their token ids (``evals record``: no
     tokenizer here), at the same share of the text's characters."""
 
-    def __init__(self, path: str, tokenizer, limit: int | None = None):
+    def __init__(self, path: str, tokenizer, limit: int | None = None, skip_bad: bool = False):
         self.tokenizer = tokenizer
         self.extract = answer_extractor(path)  # partial texts are read as the vote reads whole ones
         self.texts: dict[str, list[str]] = {}
         self._offsets: dict[tuple[str, int], list[int]] = {}
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if limit is not None and len(self.texts) >= limit:
-                    break
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                comps = obj.get("completions") if isinstance(obj, dict) else None
-                comps = [c for c in comps or [] if isinstance(c, str) and c]  # as load_vote_traces
-                if len(comps) >= 2:
-                    pid = str(obj.get("id", f"line{lineno}"))
-                    self.texts[pid] = comps
-                    ids = obj.get("completion_ids")
-                    if isinstance(ids, list) and len(ids) == len(comps):
-                        for k, (text, recorded) in enumerate(zip(comps, ids)):
-                            count = max(len(recorded) if isinstance(recorded, list) else 1, 1)
-                            self._offsets[pid, k] = [round(len(text) * (i + 1) / count)
-                                                     for i in range(count)]
+        for lineno, obj in TraceLines(path, skip_bad):  # what load_vote_traces reads and reports
+            if limit is not None and len(self.texts) >= limit:
+                break
+            comps = completion_texts(obj)
+            if len(comps) < 2:
+                continue
+            pid = trace_id(obj, lineno)
+            self.texts[pid] = comps
+            ids = obj.get("completion_ids")
+            if isinstance(ids, list) and len(ids) == len(comps):
+                for k, (text, recorded) in enumerate(zip(comps, ids)):
+                    count = max(len(recorded) if isinstance(recorded, list) else 1, 1)
+                    self._offsets[pid, k] = [round(len(text) * (i + 1) / count) for i in range(count)]
 
     def cut(self, pid: str, k: int, tokens: int) -> str:
         """Path ``k``'s text after its first ``tokens`` tokens."""
@@ -95,11 +88,10 @@ def path_checks(trace, texts: PathTexts, extract, bands) -> list[tuple[bool, lis
     return out
 
 
-def load_paths(path: str, tokenizer, limit: int | None, bands) -> list:
-    traces = load_vote_traces(path, tokenizer, limit=limit)
-    texts = PathTexts(path, tokenizer, limit)
-    extract = answer_extractor(path)
-    return [pc for t in traces for pc in path_checks(t, texts, extract, bands)]
+def load_paths(path: str, tokenizer, limit: int | None, bands, skip_bad: bool = False) -> list:
+    traces = load_vote_traces(path, tokenizer, limit=limit, skip_bad=skip_bad)
+    cut = PathTexts(path, tokenizer, limit, skip_bad)
+    return [pc for t in traces for pc in path_checks(t, cut, cut.extract, bands)]
 
 
 def score(model: ForecastModel, paths: list, base: float) -> dict[int, tuple[int, float, float]]:
@@ -132,7 +124,7 @@ def main(argv=None) -> int:
     sets = {}
     try:
         for name, path in trace_sets(args.traces, DEFAULT_TRACES):
-            sets[name] = load_paths(path, tokenizer, args.limit, PROGRESS_BANDS)
+            sets[name] = load_paths(path, tokenizer, args.limit, PROGRESS_BANDS, args.skip_bad_lines)
             print(f"{name}: {len(sets[name])} paths", file=sys.stderr, flush=True)
     except (OSError, ValueError) as e:
         return fail(e)
