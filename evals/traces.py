@@ -76,14 +76,13 @@ class TraceLines:
         self.skipped[reason] += 1
 
     def report(self, log=None) -> None:
-        """One line for the bad lines skipped and one per reason entries were
-        skipped for (``log``: default, a line on stderr)."""
+        """A line for the bad lines and one per reason entries were skipped
+        for (``log``: default, print to stderr)."""
         log = log or (lambda message: print(message, file=sys.stderr))
         name, bad = os.path.basename(self.path), self.bad_lines
         if bad:
-            shown = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
-            log(f"{name}: skipped {len(bad)} line{'s' * (len(bad) > 1)} that "
-                f"{'are' if len(bad) > 1 else 'is'} not a JSON object (line{'s' * (len(bad) > 1)} {shown})")
+            log(f"{name}: skipped {len(bad)} line(s) not a JSON object: "
+                + ", ".join(map(str, bad[:5])) + ", ..." * (len(bad) > 5))
         for reason, count in self.skipped.items():
             log(f"{name}: skipped {count} entr{'y' if count == 1 else 'ies'}: {reason}")
 

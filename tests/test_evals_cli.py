@@ -108,4 +108,4 @@ def test_a_bad_trace_line_is_an_error_unless_skipped(tmp_path):
         assert f"{path}, line 2: not valid JSON" in out.stderr and "Traceback" not in out.stderr, command
         out = evals(command, "--traces", str(path), *map(str, args), "--skip-bad-lines")
         assert out.returncode == 0, (command, out.stderr[-2000:])
-        assert "bad.jsonl: skipped 1 line that is not a JSON object (line 2)" in out.stderr, command
+        assert "bad.jsonl: skipped 1 line(s) not a JSON object: 2" in out.stderr, command

@@ -78,7 +78,7 @@ def test_bad_trace_files_give_clear_errors_or_skips(tmp_path):
     assert out.returncode == 2 and f"{mixed}, line 4: not valid JSON" in out.stderr and "Traceback" not in out.stderr
     out = run_evals(*args, "--skip-bad-lines")  # ... unless skipped: then counted, as unusable entries are
     assert ok(out) and "Traceback" not in out.stderr
-    assert "mixed.jsonl: skipped 1 line that is not a JSON object (line 4)" in out.stderr
+    assert "mixed.jsonl: skipped 1 line(s) not a JSON object: 4" in out.stderr
     assert "mixed.jsonl: skipped 1 entry: fewer than 2 non-empty completions" in out.stderr
     assert "mixed.jsonl: skipped 1 entry: no prompt or completions" in out.stderr
     (r,) = read_json(tmp_path / "r.json")["results"]
@@ -209,7 +209,7 @@ def test_bad_recorded_files_name_the_line(tmp_path):
     assert out.returncode == 2 and f"{path}, line 2: not valid JSON" in out.stderr
     out = run_evals(*replay_args(path, methods=("none",), extra=("--out", tmp_path / "r", "--skip-bad-lines")))
     ok(out)
-    assert "t.jsonl: skipped 1 line that is not a JSON object (line 2)" in out.stderr
+    assert "t.jsonl: skipped 1 line(s) not a JSON object: 2" in out.stderr
     (r,) = read_json(tmp_path / "r.json")["results"]
     assert r["problems"] == 1 and r["tokens"] == 2  # [7, 2] and [8, 2]: one token each after prefill
     text = tmp_path / "text.jsonl"

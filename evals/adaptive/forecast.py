@@ -26,34 +26,23 @@ from consensus_spec.sampling.forecast import STATES, ForecastModel, evidence
 from consensus_spec.voting.answers import answers_equal
 
 from ..options import add_trace_args, fail, trace_sets, write_json
-from ..traces import TraceLines, completion_texts, load_tokenizer, trace_id
+from ..traces import load_tokenizer
 from .stop_rules import DEFAULT_TRACES
 from .vote_traces import answer_extractor, load_vote_traces, winner
 
-class PathTexts:
-    """A trace file's completion texts, cut at a number of tokens, by
-    problem id and path number in file order: at the tokenizer's offsets,
-    or, for lines recorded with their token ids (``evals record``: no
-    tokenizer here), at the same share of the text's characters."""
 
-    def __init__(self, path: str, tokenizer, limit: int | None = None, skip_bad: bool = False):
-        self.tokenizer = tokenizer
-        self.extract = answer_extractor(path)  # partial texts are read as the vote reads whole ones
-        self.texts: dict[str, list[str]] = {}
-        self._offsets: dict[tuple[str, int], list[int]] = {}
-        for lineno, obj in TraceLines(path, skip_bad):  # what load_vote_traces reads and reports
-            if limit is not None and len(self.texts) >= limit:
-                break
-            comps = completion_texts(obj)
-            if len(comps) < 2:
-                continue
-            pid = trace_id(obj, lineno)
-            self.texts[pid] = comps
-            ids = obj.get("completion_ids")
-            if isinstance(ids, list) and len(ids) == len(comps):
-                for k, (text, recorded) in enumerate(zip(comps, ids)):
-                    count = max(len(recorded) if isinstance(recorded, list) else 1, 1)
-                    self._offsets[pid, k] = [round(len(text) * (i + 1) / count) for i in range(count)]
+class PathTexts:
+    """Vote traces' completion texts, cut at a number of tokens: at the
+    tokenizer's offsets, or, for lines recorded with their token ids
+    (``evals record``: no tokenizer here), at the same share of the text's
+    characters.  ``extract`` reads partial texts as the vote reads whole ones."""
+
+    def __init__(self, traces, tokenizer, extract):
+        self.tokenizer, self.extract = tokenizer, extract
+        self.texts: dict[str, list[str]] = {t.id: t.texts for t in traces}
+        self._offsets: dict[tuple[str, int], list[int]] = {
+            (t.id, k): [round(len(text) * (i + 1) / count) for i in range(count)]
+            for t in traces if t.recorded for k, (text, count) in enumerate(zip(t.texts, t.tokens))}
 
     def cut(self, pid: str, k: int, tokens: int) -> str:
         """Path ``k``'s text after its first ``tokens`` tokens."""
@@ -90,7 +79,7 @@ def path_checks(trace, texts: PathTexts, extract, bands) -> list[tuple[bool, lis
 
 def load_paths(path: str, tokenizer, limit: int | None, bands, skip_bad: bool = False) -> list:
     traces = load_vote_traces(path, tokenizer, limit=limit, skip_bad=skip_bad)
-    cut = PathTexts(path, tokenizer, limit, skip_bad)
+    cut = PathTexts(traces, tokenizer, answer_extractor(path))
     return [pc for t in traces for pc in path_checks(t, cut, cut.extract, bands)]
 
 

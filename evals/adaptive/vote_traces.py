@@ -31,6 +31,8 @@ class VoteTrace:
     tokens: list[int]
     correct: list[bool] | None = None  # per class id: equals the gold answer
     answers: list[str | None] | None = None  # the extracted answer per completion
+    texts: list[str] | None = None  # the completions
+    recorded: bool = False  # tokens counted from recorded ids (evals record), not by a tokenizer
 
     @property
     def share(self) -> float:
@@ -162,12 +164,11 @@ def load_vote_traces(path: str, tokenizer, limit: int | None = None, skip_bad: b
             continue
         answers = [extract(c) for c in comps]
         ids, correct = gold_classes(answers, obj.get("answer"))
-        recorded = obj.get("completion_ids")  # python -m evals record: no tokenizer needed
-        if isinstance(recorded, list) and len(recorded) == len(comps) \
-                and all(isinstance(r, list) for r in recorded):
-            tokens = [max(len(r), 1) for r in recorded]
-        else:
-            tokens = [len(e.ids) + 1 for e in tokenizer.encode_batch(comps)]  # + EOS
-        out.append(VoteTrace(trace_id(obj, lineno), ids, tokens, correct, answers))
+        ids_of = obj.get("completion_ids")  # python -m evals record: no tokenizer needed
+        recorded = isinstance(ids_of, list) and len(ids_of) == len(comps) \
+            and all(isinstance(r, list) for r in ids_of)
+        tokens = [max(len(r), 1) for r in ids_of] if recorded else \
+            [len(e.ids) + 1 for e in tokenizer.encode_batch(comps)]  # + EOS
+        out.append(VoteTrace(trace_id(obj, lineno), ids, tokens, correct, answers, comps, recorded))
     lines.report(log)
     return out

@@ -41,7 +41,7 @@ from ..replay.projection import run_ms
 from ..traces import Problem, TraceError, load_problems, load_tokenizer, max_len
 from .admission import WaveAdmission, forecast_models, in_flight_admission
 from .forecast import PathTexts
-from .vote_traces import load_vote_traces, path_planner, winner
+from .vote_traces import answer_extractor, load_vote_traces, path_planner, winner
 
 DEFAULT_TRACES = ("gsm8k_qwen3_4b_n8.jsonl", "addsub_codex002_n40.jsonl")
 METHODS = ("none", "consensus")
@@ -199,7 +199,7 @@ def run(args) -> tuple[list[dict], object]:
     for name, path in sets:
         problems, votes, correct, n = paired_sets(path, tokenizer, args.limit, args.skip_bad_lines)
         ids = [v.ids for v in votes]
-        texts = PathTexts(path, tokenizer, args.limit, args.skip_bad_lines) if model_for else None
+        texts = PathTexts(votes, tokenizer, answer_extractor(path)) if model_for else None
         plain = configs(args)[0][0]  # load compiled code before anything is timed
         run_one(problems[:1], ids[:1], correct[:1], n, "consensus", plain, None, args, options)
         for order in range(args.orders):
