@@ -59,17 +59,16 @@ class TraceLines:
                     continue
                 try:
                     obj = json.loads(raw.decode("utf-8"))
-                    problem = None if isinstance(obj, dict) else "not a JSON object"
-                except UnicodeDecodeError as e:
-                    problem = f"not UTF-8 (byte {e.start + 1})"
-                except json.JSONDecodeError as e:
-                    problem = f"not valid JSON ({e.msg} at column {e.colno})"
-                if problem is None:
+                except ValueError as e:  # not UTF-8, or not JSON
+                    obj = e
+                if isinstance(obj, dict):
                     yield lineno, obj
                 elif self.skip_bad:
                     self.bad_lines.append(lineno)
                 else:
-                    raise TraceError(f"{self.path}, line {lineno}: {problem}")
+                    why = f"not valid JSON ({getattr(obj, 'msg', obj)})" if isinstance(obj, ValueError) \
+                        else "not a JSON object"
+                    raise TraceError(f"{self.path}, line {lineno}: {why}")
 
     def skip(self, reason: str) -> None:
         """Count an entry the reader cannot use."""

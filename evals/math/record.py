@@ -110,23 +110,19 @@ def mend_tail(path: str, log=print) -> None:
     """End ``path`` on a newline: a last line cut short by an interrupted
     write is dropped (its problem is recorded again), a whole one gets its
     newline."""
-    with open(path, "rb") as f:
+    with open(path, "r+b") as f:
         data = f.read()
-    end = data.rfind(b"\n") + 1
-    tail = data[end:]
-    if not tail.strip():
-        return
-    try:
-        json.loads(tail)
-    except ValueError:
-        lineno = data.count(b"\n") + 1
-        log(f"{path}: line {lineno} is truncated (an interrupted write): dropped, "
-            "its problem is recorded again")
-        with open(path, "r+b") as f:
+        end = data.rfind(b"\n") + 1
+        if not data[end:].strip():
+            return
+        try:
+            json.loads(data[end:])
+            f.write(b"\n")  # at the end: read left the file there
+        except ValueError:
+            lineno = data.count(b"\n") + 1
+            log(f"{path}: line {lineno} is truncated (an interrupted write): dropped, its problem is "
+                "recorded again")
             f.truncate(end)
-        return
-    with open(path, "ab") as f:
-        f.write(b"\n")
 
 
 def check_resume(path: str, old: dict | None, new: dict) -> None:
