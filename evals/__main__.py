@@ -17,7 +17,7 @@ GROUPS = {
     "evals.replay": (  # recorded traces replayed through the drafters
         ("replay", "replay recorded traces through the drafters: tau and projected speedup"),
         ("dp-replay", "replay traces with siblings split over data-parallel engines"),
-        ("device-route", "markdown of a replay's device-route runs (device-lag*)"),
+        ("device-report", "tables of a replay's device-route runs (device-lag*); the route's host time"),
         ("faults", "corrupted proposer inputs on chosen replay steps: containment and tau"),
         ("stream", "long-run memory and quality: millions of tokens through one proposer"),
     ),

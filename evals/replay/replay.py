@@ -29,7 +29,7 @@ from ..options import add_option_arg, add_trace_args, fail, trace_sets, write_re
 from ..traces import TraceError, load_problems, load_tokenizer
 from .bench import Bench, add_table_args, load_tables, pick_schedule
 from .drafters import DEVICE_METHODS, METHODS, SCHEDULABLE
-from .report import markdown, sweep_markdown, targets
+from .report import fixed_markdown, markdown, sweep_markdown, targets
 
 DEFAULT_TRACES = ("addsub_codex002_n40.jsonl", "gsm8k_qwen3_4b_n8.jsonl", "svamp_pot_codex002_n30.jsonl")
 PROJECTED_BATCHES = (16, 64, 128)
@@ -68,7 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--admission", choices=("refill", "fixed"), default="refill",
                     help="refill: a path enters as soon as a row is free (default); fixed: RL rollout "
                          "batches of --batches rows, admitted whole, run to the last token, no refill "
-                         "(evals/rollout/replay_fixed.py)")
+                         "(docs/rollouts.md)")
     ap.add_argument("--group", type=int, help="with --admission fixed: paths per problem (default: all)")
     ap.add_argument("--out", default="results/replay", help="output prefix (.json and .md)")
     ap.add_argument("--drafter-time-scale", type=float, default=1.0,
@@ -164,7 +164,7 @@ def run(args) -> tuple[list[dict], list[dict], dict]:
     bench = Bench(args, costs, host)
     results, sweeps, tuned = [], [], {}
     for name, path in trace_sets(args.traces, DEFAULT_TRACES):
-        problems = load_problems(path, tokenizer, limit=args.limit)
+        problems = load_problems(path, tokenizer, limit=args.limit, skip_bad=args.skip_bad_lines)
         tuned[name] = {}
         if args.schedules == "sweep" and costs is not None and args.schedule is None:
             tune = problems[:args.tune_limit]
@@ -183,9 +183,8 @@ def run(args) -> tuple[list[dict], list[dict], dict]:
                     schedule, params = ((pick["schedule"], pick["params"] or None) if pick
                                         else (args.schedule, None))
                     if args.admission == "fixed":
-                        from ..rollout.replay_fixed import run_fixed
-                        results.append(run_fixed(bench, problems, name, method, batch, args.group,
-                                                 schedule, params))
+                        results.append(bench.run_fixed(problems, name, method, batch, args.group,
+                                                       schedule, params))
                         continue
                     repeats = (args.repeats if method.startswith("consensus")
                                and batch in args.repeat_batches else 1)
@@ -223,7 +222,6 @@ def main(argv=None) -> int:
         return fail(f"{e}. The ngram/suffix baselines need vLLM (and arctic-inference for suffix); "
                     "install with `pip install -e .[cpu,bench]` or pass --methods consensus none.")
     if args.admission == "fixed":
-        from ..rollout.replay_fixed import markdown as fixed_markdown
         table, checks = fixed_markdown(results), []
     else:
         table, checks = markdown(results, tuned, host), targets(results)
