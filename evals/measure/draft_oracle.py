@@ -4,8 +4,11 @@
                     [--max-num-seqs 16] [--ks 1 2 4 8] [--runs 3] [--out PREFIX]
 
 The job of README command 1 (self-consistency, all n paths at once) with
-each drafting setting on a fresh engine: ``none`` (K = 0), consensus
-drafting with a fixed most-draft-tokens ``K`` and no budget
+each drafting setting on a fresh engine (a fresh process): ``none`` (K = 0),
+``idle`` (the consensus proposer in the engine, never confident enough to
+draft: ``cost_model=off``, ``min_prob=1``: what a speculative engine pays
+when nothing is drafted, its row tracking and trie updates included),
+consensus drafting with a fixed most-draft-tokens ``K`` and no budget
 (``cost_model=off``: a row drafts up to K tokens whenever the drafter is
 confident), and consensus drafting as shipped (``budget``: k = ``--k``, the
 batch-aware budget). Each run takes every setting once, in an order that
@@ -32,19 +35,19 @@ from .python_loop import python_loop_ns
 
 def settings(ks: list[int], k: int, options: dict) -> list[tuple[str, str, int, dict]]:
     """(label, method, k, drafter options) per setting, ``none`` first."""
-    out = [("none", "none", k, {})]
+    out = [("none", "none", k, {}), ("idle", "consensus", k, {**options, "cost_model": "off", "min_prob": 1.0})]
     out += [(f"K={kk}", "consensus", kk, {**options, "cost_model": "off"}) for kk in ks]
     out.append(("budget", "consensus", k, options))
     return out
 
 
 def run_setting(method: str, k: int, options: dict, args, problems, tokens: int) -> dict:
-    from ..math.runs import run_configs
+    from ..math.runs import isolated, run_configs
     from consensus_spec.sampling.waves import REST, Schedule
 
     a = copy.copy(args)
     a.k, a.drafter_options, a.n = k, options, [args.n]
-    row = run_configs(method, [(args.n, Schedule(waves=(REST,)), None)], a, problems, tokens)[0]
+    row = isolated(run_configs, method, [(args.n, Schedule(waves=(REST,)), None)], a, problems, tokens)[0]
     proposer = row.get("proposer") or {}
     return {"wall_s": row["wall_time_s"], "cpu_s": row["cpu_time_s"], "tokens": row["tokens"],
             "drafted": row["drafted_tokens"], "accepted": row["accepted_tokens"],
@@ -61,7 +64,7 @@ def summarise(runs: list[dict], labels: list[str]) -> dict:
             r = run[lab]
             ratio[lab]["wall"].append(base["wall_s"] / r["wall_s"])
             ratio[lab]["cpu"].append(base["cpu_s"] / r["cpu_s"])
-    fixed = [lab for lab in labels if lab != "budget"]
+    fixed = [lab for lab in labels if lab not in ("budget", "idle")]
     oracle = max(fixed, key=lambda lab: statistics.median(ratio[lab]["cpu"]))
     share = [b / o for b, o in zip(ratio["budget"]["cpu"], ratio[oracle]["cpu"])] if "budget" in ratio else []
     return {"ratios": ratio, "oracle": oracle, "budget_share_of_oracle_cpu": share}
