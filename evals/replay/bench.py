@@ -114,6 +114,7 @@ class Bench:
         self.options = parse_options(args.option)
         self.warmed: set[str] = set()
         self._truth: str | None = None  # consensus-truth's cost model (truth_table)
+        self._prior: str | None = None  # consensus's what-if prior (prior_table)
 
     def project(self, row: dict) -> dict:
         b, tau, d = row["batch"], row["tau"], row["drafts_per_step"]
@@ -145,6 +146,24 @@ class Bench:
             atexit.register(os.unlink, self._truth)
         return self._truth
 
+    def prior_table(self) -> str | None:
+        """With ``--prior-scale`` S: the H200 model with its compute cost per
+        token times S, as a table file consensus takes as its cost model (its
+        prior: a prior S times off); None without it."""
+        scale = getattr(self.args, "prior_scale", 1.0)
+        if scale == 1.0:
+            return None
+        if self._prior is None:
+            from consensus_spec.budget import COST_MODELS
+            model = dataclasses.replace(COST_MODELS["h200_7b"],
+                                        ms_per_token=COST_MODELS["h200_7b"].ms_per_token * scale)
+            fd, self._prior = tempfile.mkstemp(prefix="replay_prior_", suffix=".jsonl")
+            with os.fdopen(fd, "w") as f:
+                f.writelines(json.dumps({"B": b, "q": q, "ms": float(model.step_ms(b, q))}) + "\n"
+                             for b in (1, 8, 16, 32, 64, 128, 256) for q in (1, 2, 3, 5, 9, 17))
+            atexit.register(os.unlink, self._prior)
+        return self._prior
+
     def clock(self, method: str) -> VirtualClock | None:
         """The time consensus learns its step costs from: the cost table's."""
         if self.costs is None or self.args.online == "off" or method != "consensus":
@@ -161,6 +180,8 @@ class Bench:
             options = {**self.options, **memory.options} if memory else self.options
             if method == "consensus-truth":
                 options = {**options, "cost_model": self.truth_table()}
+            elif method == "consensus" and self.prior_table():
+                options = {**options, "cost_model": self.prior_table()}
             return make_drafter(method, k, max_len(problems, k), batch, options, schedule=schedule,
                                 suffix_options=suffix_options, clock=clock,
                                 model=memory.model if memory else None)
@@ -196,7 +217,7 @@ class Bench:
             row["budget"] = inner.budget_stats()
         if clock is not None:  # consensus learning its step costs
             row["cost_counters"] = {key: value for key, value in inner.proposer.counters().items()
-                                    if key.startswith(("steps_", "explore", "cost_model", "guard",
+                                    if key.startswith(("steps_", "step_costs", "explore", "cost_model", "guard",
                                                        "learning"))}
         if memory is not None:
             row["step_cost_memory"] = memory.finish(inner.proposer)

@@ -77,6 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--costs-slope-scale", type=float, default=1.0,
                     help="what-if truth: the --costs table with each step's cost above one token "
                          "per row times this (drives the replay's clock and the projection)")
+    ap.add_argument("--prior-scale", type=float, default=1.0,
+                    help="what-if prior: consensus starts from the H200 model with its compute "
+                         "cost per token times this (a prior this far off; the truth unchanged)")
     ap.add_argument("--online", choices=("on", "off"), default="on",
                     help="consensus learns its step costs from a clock that the --costs table "
                          "drives (the prior is its cost_model option); off: fixed cost model")
@@ -106,8 +109,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--limit must be >= 1")
     if args.tune_limit < 1 or args.repeats < 1:
         ap.error("--tune-limit and --repeats must be >= 1")
-    if args.drafter_time_scale < 0 or args.costs_slope_scale < 0:
-        ap.error("--drafter-time-scale and --costs-slope-scale must be >= 0")
+    if args.drafter_time_scale < 0 or args.costs_slope_scale < 0 or args.prior_scale <= 0:
+        ap.error("--drafter-time-scale and --costs-slope-scale must be >= 0, --prior-scale > 0")
     if args.admission == "fixed" and args.from_json:
         ap.error("--admission fixed replays: it has no --from-json")
     if args.group is not None and args.group < 1:
