@@ -600,3 +600,19 @@ def test_serve_sc_replays_the_endpoints_stop_rule_on_full_n_paths():
     # an early lead that the later paths overturn: a rule that stops on it disagrees
     flip = {"path_answers": ["3"] * 4 + ["8"] * 12, "path_tokens": list(range(1, 17))}
     assert replayed_stop(flip, 16) == {"agree": False, "paths": 4, "tokens": 1 + 2 + 3 + 4}
+
+
+def test_auto_dtype_is_float32_on_a_cpu_without_native_bf16(monkeypatch):
+    """Without AVX-512 BF16 or AMX, bf16 matmuls fall back to slow kernels:
+    ``--dtype auto`` runs float32 there; an explicit dtype is kept."""
+    import torch.cpu
+
+    from evals.math import llm
+
+    monkeypatch.setattr(llm, "on_cpu", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert llm.engine_dtype("auto") == "float32"
+    assert llm.engine_dtype("bfloat16") == "bfloat16"
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert llm.engine_dtype("auto") == "auto"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 
 from ..options import UsageError, parse_options
 
@@ -29,7 +30,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seed", type=int, default=0, help="engine seed")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.25,
                     help="vLLM memory share (on CPU it sizes the KV cache in RAM)")
-    ap.add_argument("--dtype", default="auto", help="model dtype (float32 is safest on CPU)")
+    ap.add_argument("--dtype", default="auto",
+                    help="model dtype; auto: the model's, except float32 on a CPU without native "
+                         "bf16 (AVX-512 BF16 or AMX), where bf16 matmuls fall back to slow kernels")
     ap.add_argument("--max-model-len", type=int)
     ap.add_argument("--max-num-seqs", type=int, help="engine batch rows (default: vLLM's)")
     ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
@@ -154,13 +157,32 @@ def on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
+def engine_dtype(requested: str) -> str:
+    """``requested``, except that ``auto`` is float32 on a CPU whose bf16
+    matmuls have no native kernel (no AVX-512 BF16, no AMX): there oneDNN
+    cannot build a bf16 primitive, vLLM falls back to torch's reference
+    matmul, and a step of the embedded model took 2.3x the float32 one
+    (AVX2, 256 rows; docs/isa.md), slow enough that no drafting paid."""
+    if requested != "auto" or not on_cpu():
+        return requested
+    import torch.cpu
+
+    fast = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)() or \
+        getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    if fast:
+        return requested
+    print("note: this CPU has no native bf16 (AVX-512 BF16 or AMX): --dtype auto runs float32",
+          file=sys.stderr, flush=True)
+    return "float32"
+
+
 def build_llm(method: str, args, log_stats: bool = True):
     """The engine for ``method`` with :func:`add_engine_args`' settings;
     ``log_stats`` keeps vLLM's stats (the spec-decode counters read them)."""
     from vllm import LLM
 
     kwargs = dict(model=args.model, **engine_config(method, args), seed=args.seed,
-                  dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
+                  dtype=engine_dtype(args.dtype), gpu_memory_utilization=args.gpu_memory_utilization,
                   enforce_eager=on_cpu() if args.enforce_eager is None else args.enforce_eager,
                   disable_log_stats=not log_stats)
     if args.max_model_len is not None:
