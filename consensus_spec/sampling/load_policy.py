@@ -28,10 +28,15 @@ delays someone else's answer: the engine is saturated and waves pay.
 So the choice counts problems, not the rows busy at this instant: a
 problem in flight counts its ``n`` paths however many it runs now (a
 problem in waves would take them all in the ``all`` mode, and counting
-only its running paths would let a burst of ``all`` problems crowd
-``waves`` ones into a mix where the waves wait longest).  The step's cost
-per row, measured from the engine's own steps, then prices which later
-waves start early once a problem waves (:class:`RunAhead`).
+only its running paths would let ``all`` problems crowd ``waves`` ones
+into a mix where the waves wait longest), and so do requests that arrived
+together and have not chosen yet (a server counts them from their parse).
+The step's cost per row, measured from the engine's own steps, is reported
+beside the choice and prices which later waves start early once a problem
+waves (:class:`~consensus_spec.sampling.run_ahead.RunAhead`).  It does not
+move the switch: where a row costs about its share of the step (this
+CPU), waves at low load would buy answers per second with a longer tail
+than the ``n``-path request's; the switch keeps that tail.
 
 On this repository's 2-core CPU (embedded model, vLLM's default 128
 rows) ``all`` holds up to 8 clients sending ``n=16``; with more, waves;
