@@ -157,3 +157,10 @@ def test_the_server_counts_problems_in_flight_and_reports_each_choice():
     state = st.snapshot()["schedule"]
     assert state["requests"] == {ALL: 3, WAVES: 2, REQUESTED: 1}
     assert state["last"]["mode"] == REQUESTED and state["problems_in_flight"] == 0
+    # requests that arrived together: each parsed one counts for those choosing before it
+    st.arrived("a", 2, 16)
+    st.arrived("r", 1, 16)  # the run's own arrival is not counted against itself
+    assert st.load().problems_in_flight == 3 and st.snapshot()["schedule"]["requests_arriving"] == 2
+    choice, _ = run(auto)
+    assert choice.problems_in_flight == 2 and choice.rows_wanted == 23 + 48
+    assert "r" not in st.pending and st.late(1e9) and not st.late(0.0)

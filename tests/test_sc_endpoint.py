@@ -90,7 +90,9 @@ def test_early_stop_samples_fewer_paths_and_aborts(server, probs):
     for x in stopped:
         assert 0 < x["paths_stopped"] == 16 - x["paths_finished"]
         assert x["paths_sampled"] <= 16 and x["tokens_saved_estimate"] >= 0  # 0: long paths cut
-        assert x["stop_reason"].startswith("bayes(error=0.002): stopped after ")
+        # the rule after a prefix of paths, or a vote no unfinished path could change
+        assert x["stop_reason"].startswith(("bayes(error=0.002): stopped after ",
+                                            "bayes(error=0.002): decided after ")), x["stop_reason"]
         assert 0 <= x["paths_ended_in_flight"] <= x["paths_stopped"]
     assert out["usage"]["completion_tokens"] == sum(x["tokens"] for x in results)
     # seeds do not repeat paths once drafting is on, so the votes vary from run to run;

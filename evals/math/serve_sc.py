@@ -110,8 +110,9 @@ def run_configs(args, probs: list[dict], run: int, rows: int | None, warm: list[
     with contextlib.ExitStack() as stack:
         servers = {}
         for config in args.configs:
-            env = {"VLLM_PLUGINS": PLUGINS, "CONSENSUS_SPEC_SC_RUN_AHEAD": args.run_ahead} \
-                if config.startswith("endpoint") else {}
+            env = {"VLLM_PLUGINS": PLUGINS} if config.startswith("endpoint") else {}
+            if config.startswith("endpoint") and args.run_ahead != "default":
+                env["CONSENSUS_SPEC_SC_RUN_AHEAD"] = args.run_ahead
             servers[config] = stack.enter_context(VllmServer(
                 server_args(model_path(), config != "client-nospec", rows, args.max_model_len),
                 args.log_dir / f"run{run}_{config}_{rows or 'default'}.log", env))
@@ -282,8 +283,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--run-ahead", default="measured", choices=("measured", "throughput", "idle"),
-                    help="the endpoint's CONSENSUS_SPEC_SC_RUN_AHEAD")
+    ap.add_argument("--run-ahead", default="default",
+                    choices=("default", "throughput", "measured", "idle"),
+                    help="the endpoint's CONSENSUS_SPEC_SC_RUN_AHEAD (default: left unset, the "
+                         "server's own default)")
     ap.add_argument("--schedule", help="the endpoint's wave schedule (default: the endpoint's own)")
     ap.add_argument("--warmup", type=int, default=64,
                     help="problems (not the timed ones) each server answers before the timed "
