@@ -282,6 +282,9 @@ def main(argv=None) -> int:
                     help="comma list of server row limits; 'default' leaves the flag out")
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--first-run", type=int, default=0,
+                    help="the first run's index (configs alternate order by run): runs split "
+                         "across invocations stay interleaved")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--run-ahead", default="default",
                     choices=("default", "throughput", "measured", "idle"),
@@ -316,7 +319,7 @@ def main(argv=None) -> int:
     print(f"serve-sc: configs {args.configs}, concurrency {args.concurrency}, "
           f"{args.problems} problems, n {args.n}, {args.runs} run(s); cpus {os.cpu_count()}")
     runs = {rows: [] for rows in args.rows}
-    for run in range(args.runs):
+    for run in range(args.first_run, args.first_run + args.runs):
         for rows in args.rows:
             runs[rows].append(run_configs(args, probs, run, rows, warm))
     tables = {rows: summarize(runs[rows], probs, args) for rows in args.rows}
