@@ -68,8 +68,8 @@ def ask(base_url: str, config: str, prob: dict, args) -> dict:
     full = config == "endpoint-full"
     if config in ("endpoint", "endpoint-full"):  # the native route; the others take the body as is
         body.update(early_stop=not full, return_paths=full)
-        if not full and args.schedule:
-            body["schedule"] = args.schedule
+    if config in ("endpoint", "endpoint-openai") and args.schedule:  # a named schedule, not the load's
+        body["schedule"] = args.schedule
     route = {"endpoint-openai": "/v1/self_consistency/completions", "endpoint": "/v1/self_consistency",
              "endpoint-full": "/v1/self_consistency"}.get(config, "/v1/completions")
     try:
@@ -290,7 +290,7 @@ def main(argv=None) -> int:
                     choices=("default", "throughput", "measured", "idle"),
                     help="the endpoint's CONSENSUS_SPEC_SC_RUN_AHEAD (default: left unset, the "
                          "server's own default)")
-    ap.add_argument("--schedule", help="the endpoint's wave schedule (default: the endpoint's own)")
+    ap.add_argument("--schedule", help="a schedule the endpoint configs name in each request (default: none, the engine's load picks)")
     ap.add_argument("--warmup", type=int, default=64,
                     help="problems (not the timed ones) each server answers before the timed "
                          "runs, at the highest concurrency; 0: one request")
