@@ -290,7 +290,8 @@ def main(argv=None) -> int:
                     choices=("default", "throughput", "measured", "idle"),
                     help="the endpoint's CONSENSUS_SPEC_SC_RUN_AHEAD (default: left unset, the "
                          "server's own default)")
-    ap.add_argument("--schedule", help="a schedule the endpoint configs name in each request (default: none, the engine's load picks)")
+    ap.add_argument("--schedule", help="a schedule the endpoint configs name in each request "
+                                       "(default: none, the engine's load picks)")
     ap.add_argument("--warmup", type=int, default=64,
                     help="problems (not the timed ones) each server answers before the timed "
                          "runs, at the highest concurrency; 0: one request")
