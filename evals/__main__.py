@@ -32,6 +32,7 @@ GROUPS = {
         ("math", "self-consistency math eval: accuracy and speed per drafting method"),
         ("record", "record n sampled completions per problem as JSONL traces (ids, answers)"),
         ("serve-sc", "self-consistency through a vLLM server: the endpoint vs n=16 clients"),
+        ("serve-sc-lm-eval", "lm-eval's self-consistency: its repeats task vs n through the base URL"),
     ),
     "evals.rollout": (  # RL rollouts: a fixed batch of groups run to its last token
         ("rollout", "P prompts x G samples at once: makespan, tail, tokens/row-step per drafting method"),

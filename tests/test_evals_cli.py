@@ -20,8 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EVALS = os.path.join(ROOT, "evals")
 COMMANDS = ("replay", "dp-replay", "device-report", "faults", "stream", "stop-rules", "waves", "waves-sim", "forecast",
             "confidence",
-            "math", "record", "serve-sc", "rollout", "step-costs", "host-time", "propose-time", "warmup", "fetch-model",
-            "check-vllm", "gpu-check")
+            "math", "record", "serve-sc", "serve-sc-lm-eval", "rollout", "step-costs", "host-time",
+            "propose-time", "warmup", "fetch-model", "check-vllm", "gpu-check")
 
 
 def evals(*args, timeout=120):

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from consensus_spec.sampling.run_ahead import (NONE_PSEUDO, RunAhead, need_probability,
+from consensus_spec.sampling.run_ahead import (LATE_WORTH, NONE_PSEUDO, RunAhead, need_probability,
                                                tally_keys)
 from consensus_spec.sampling.stopping import StopRule, should_stop_ids
 from consensus_spec.sampling.waves import PathPlanner, Schedule
@@ -92,6 +92,20 @@ def test_choose_opens_best_worth_first_while_it_beats_the_cost():
     assert free.choose([(0.6, 2, 0), (0.9, 2, 1), (0.7, 2, 2)], spare=4, rows=50,
                        next_candidate=lambda p: None) == [1, 2]  # spare bounds it
     assert ahead.stats.opened == 1 and ahead.stats.declined == 2
+
+
+def test_a_late_run_opens_the_waves_its_vote_more_likely_needs_than_not():
+    """Costly rows (kappa 1) open nothing, unless the run is later than the
+    recent answers took: then waves worth more than LATE_WORTH open, the
+    tail of answer times waiting on no more waves than it must."""
+    late = {"now": False}
+    ahead = RunAhead(StopRule(), FixedCosts(fixed=0.0, per_row=1.0), "throughput",
+                     late=lambda: late["now"])
+    waves = [(0.9, 2, 0), (0.6, 2, 1), (0.4, 2, 2)]
+    assert ahead.choose(waves, spare=10, rows=8, next_candidate=lambda p: None) == []
+    late["now"] = True
+    assert LATE_WORTH == 0.5
+    assert ahead.choose(waves, spare=10, rows=8, next_candidate=lambda p: None) == [0, 1]
 
 
 def _planner(costs, rule=StopRule(), idle=100):

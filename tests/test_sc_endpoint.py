@@ -41,7 +41,7 @@ def test_plugin_loaded_and_said_so(server):
     assert "Loaded endpoint plugin consensus_spec_self_consistency" in log
     assert "consensus_spec: POST /v1/self_consistency, /v1/self_consistency/completions and " \
            "/v1/self_consistency/chat/completions served (max n 32, 64 problems a request, " \
-           f"{MAX_INFLIGHT} paths in flight a request, idle fill any, run-ahead measured, " \
+           f"{MAX_INFLIGHT} paths in flight a request, idle fill oldest, run-ahead throughput, " \
            "step costs measured from the engine's steps)" in log
     assert "is off" not in log and "are not loaded" not in log
 
@@ -81,7 +81,8 @@ def test_early_stop_samples_fewer_paths_and_aborts(server, probs):
     r = sc_soak.post(server.base_url, body)
     assert r.status_code == 200, r.text
     out = r.json()
-    assert out["early_stop"] == "bayes(error=0.002)" and out["schedule"] == "2"
+    assert out["early_stop"] == "bayes(error=0.002)"
+    assert out["schedule"] == out["schedule_used"]["schedule"]  # the engine's load chose it
     results = out["results"]
     assert len(results) == 6 and "answer" not in out
     stopped = [x for x in results if x["stopped_early"]]
@@ -89,7 +90,9 @@ def test_early_stop_samples_fewer_paths_and_aborts(server, probs):
     for x in stopped:
         assert 0 < x["paths_stopped"] == 16 - x["paths_finished"]
         assert x["paths_sampled"] <= 16 and x["tokens_saved_estimate"] >= 0  # 0: long paths cut
-        assert x["stop_reason"].startswith("bayes(error=0.002): stopped after ")
+        # the rule after a prefix of paths, or a vote no unfinished path could change
+        assert x["stop_reason"].startswith(("bayes(error=0.002): stopped after ",
+                                            "bayes(error=0.002): decided after ")), x["stop_reason"]
         assert 0 <= x["paths_ended_in_flight"] <= x["paths_stopped"]
     assert out["usage"]["completion_tokens"] == sum(x["tokens"] for x in results)
     # seeds do not repeat paths once drafting is on, so the votes vary from run to run;
@@ -97,6 +100,37 @@ def test_early_stop_samples_fewer_paths_and_aborts(server, probs):
     gold = [p["gold"] for p in probs[:6]]
     assert sum(str(x["answer"]) == str(g) for x, g in zip(results, gold)) >= 1
     assert sc_soak.wait_idle(server.base_url)["idle"]
+
+
+def test_the_engines_load_picks_every_path_at_once_or_waves_and_says_so(server, probs):
+    """Nothing else in flight: a problem's 16 paths fit in the batch, so they
+    all start (the vote still ends the rest once settled); 9 problems of 16
+    paths want more rows than the batch has, so they wave.  Each response
+    and the state route say which and why; a named schedule is kept."""
+    assert sc_soak.wait_idle(server.base_url)["idle"]
+    before = sc_soak.endpoint_state(server.base_url)["schedule"]["requests"]
+    out = sc_soak.post(server.base_url, {"prompt": probs[0]["prompt"], "n": 16, "max_tokens": 96,
+                                         "seed": 5}).json()
+    used = out["schedule_used"]
+    assert used["mode"] == "all" and out["schedule"] == "all" and used["problems_in_flight"] == 0
+    assert used["rows_wanted"] == 16 <= used["max_rows"] and "0 other problems" in used["reason"]
+    assert out["paths_sampled"] <= 16 and out["paths_finished"] + out["paths_stopped"] == 16
+    many = sc_soak.post(server.base_url, {"prompt": [p["prompt"] for p in probs[:8]]
+                                          + [probs[0]["prompt"]], "n": 16, "max_tokens": 64,
+                                          "seed": 6}).json()
+    assert many["schedule_used"]["mode"] == "waves" and many["schedule"] == "2"
+    assert many["schedule_used"]["rows_wanted"] >= 9 * 16 > many["schedule_used"]["max_rows"]
+    named = sc_soak.post(server.base_url, {"prompt": probs[1]["prompt"], "n": 4, "max_tokens": 64,
+                                           "schedule": "2,rest"}).json()
+    assert named["schedule_used"]["mode"] == "requested" and named["schedule"] == "2,rest"
+    openai = sc_soak.post(server.base_url, {"prompt": probs[2]["prompt"], "n": 4, "max_tokens": 64},
+                          route=sc_soak.COMPLETIONS).json()
+    vote = openai["choices"][0]["self_consistency"]
+    assert vote["schedule_used"]["mode"] == "all" and vote["schedule"] == "all"
+    state = sc_soak.endpoint_state(server.base_url)["schedule"]
+    assert state["requests"]["all"] == before.get("all", 0) + 2
+    assert state["requests"]["waves"] == before.get("waves", 0) + 1
+    assert state["last"]["mode"] == "all" and state["problems_in_flight"] == 0
 
 
 def test_aborted_paths_tokens_are_counted(server, probs):
@@ -304,8 +338,8 @@ def test_idle_rows_go_to_any_run_or_to_older_runs_first():
     from types import SimpleNamespace
 
     from consensus_spec.sampling.waves import PathPlanner, Schedule
-    from consensus_spec.server import endpoint
     from consensus_spec.server.options import Limits
+    from consensus_spec.server.state import ServerState
 
     plan = PathPlanner(1, 8, Schedule(waves=(2,), capacity=8), idle_rows=lambda: 0)
     assert len(plan.admit()) == 2 and plan.rows_wanted() == 6  # its unopened paths
@@ -315,7 +349,7 @@ def test_idle_rows_go_to_any_run_or_to_older_runs_first():
     engine = SimpleNamespace(model_config=SimpleNamespace(max_model_len=512,
                                                           get_diff_sampling_param=dict))
     for mode, young in (("any", 20), ("oldest", 20 - 6)):
-        st = endpoint._State(engine, Namespace(), Limits(idle_fill=mode), 32)
+        st = ServerState(engine, Namespace(), Limits(idle_fill=mode), 32)
         st.runs.update(old=8, young=4)  # 20 rows idle
         st.wants.update(old=lambda: 6, young=lambda: 9)
         assert st.idle_rows("old") == 20 and st.idle_rows("young") == young
@@ -331,8 +365,9 @@ def test_every_path_of_a_prompt_goes_to_one_data_parallel_engine():
     from types import SimpleNamespace
 
     from consensus_spec.sampling.routing import data_parallel_rank
-    from consensus_spec.server import endpoint, runs
+    from consensus_spec.server import runs
     from consensus_spec.server.options import Limits, RunOptionsIn, resolve_options
+    from consensus_spec.server.state import ServerState
 
     class Engine:
         model_config = SimpleNamespace(max_model_len=512, get_diff_sampling_param=dict)
@@ -356,7 +391,7 @@ def test_every_path_of_a_prompt_goes_to_one_data_parallel_engine():
 
     def sent_ranks(headers):
         engine = Engine()
-        st = endpoint._State(engine, Namespace(), Limits(), 32, run_ahead="idle")
+        st = ServerState(engine, Namespace(), Limits(), 32, run_ahead="idle")
         request = SimpleNamespace(headers=headers)
         make = lambda p, k: SimpleNamespace(n=1, logprobs=None, seed=None)  # noqa: E731
         asyncio.run(runs.run_request(st, request, "run", prompts, make, 4, opts, 16))

@@ -22,7 +22,7 @@ from ..voting.vote import VoteResult, logprob_weights, majority_vote
 from .answer_prior import AnswerPrior
 from .forecast import ForecastModel, ForecastScore, InFlightCheck
 from .results import ProblemResult, Sample, SelfConsistencyRun
-from .stopping import StopRule
+from .stopping import PEERS, StopRule
 from .stopping import should_stop as rule_says_stop
 from .waves import PathPlanner, Schedule
 
@@ -33,6 +33,7 @@ __all__ = ["FORECAST_STRIDE", "PathBook"]
 
 _log = logging.getLogger(__name__)
 FORECAST_STRIDE = 8  # engine steps (tokens a path, async) between votes on running paths
+DECIDED = StopRule(kind="decided")
 
 
 def _tokens_saved(finished_lengths: list[int], cancelled_progress: list[int], max_tokens: int) -> int:
@@ -136,6 +137,19 @@ class PathBook:
 
         self.planner = PathPlanner(num, n, schedule, stop_check if stop_rule is not None else None,
                                    idle_rows, run_ahead)
+        self.decided: set[int] = set()  # problems a vote no remaining path could change stopped
+        if stop_rule is not None and stop_rule.kind not in PEERS:
+            def decided_check(p: int, answers: list, remaining: int) -> bool:
+                # every rule of ours stops once the full-n vote is decided; that holds in any
+                # order, so paths finished past the voted prefix count too (all-at-once runs)
+                if not rule_says_stop(answers, remaining, DECIDED, timeout_s=voting.timeout_s):
+                    return False
+                self.last_look[p] = (len(answers), remaining)
+                self.decided.add(p)
+                if on_vote is not None:
+                    on_vote(p, answers, remaining, True)
+                return True
+            self.planner.decided_check = decided_check
         if self.in_flight is not None:
             self.planner.running_forecast = self.running_forecast
 
@@ -273,6 +287,7 @@ class PathBook:
             waves=self.planner.waves_started(p),
             num_sent=self.n - self.planner.num_unsent(p),
             stopped_after=self.last_look[p][0] if p in self.planner.stopped else None,
+            decided=p in self.decided,
         )
 
     def run(self, wall: float, steps: int = 0, inflight_sum: int = 0) -> SelfConsistencyRun:

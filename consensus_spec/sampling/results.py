@@ -60,6 +60,7 @@ class ProblemResult:
     waves: int = 0  # waves of this problem that were started
     num_sent: int = 0  # paths submitted to the engine (finished, or aborted while running)
     stopped_after: int | None = None  # paths in the vote that stopped the problem
+    decided: bool = False  # stopped as no remaining path could change the vote (in any path order)
 
     @property
     def answer(self) -> str | None:

@@ -62,6 +62,7 @@ NEED_CACHE_SIZE = 1 << 16
 _NEED_CACHE: dict = {}  # keyed by the prior's key, not the prior: a server's runs come and go
 NONE_PSEUDO = 0.5  # prior weight of "no answer" in the predictive (answers are the usual case)
 SHARED_PROBLEMS = 3.0  # problems beside this one at which the rows-of-work criterion binds in full
+LATE_WORTH = 0.5  # a late run opens the waves its vote more likely needs than not
 
 
 class RowCosts(Protocol):
@@ -199,6 +200,10 @@ class RunAhead:
     objective: str = "latency"  # or "throughput" (module docstring)
     stats: RunAheadStats = field(default_factory=RunAheadStats)
     prior: AnswerPrior | None = None  # the run's, for a "bayes" rule (PathBook sets it)
+    # () -> the run is late (its problems have run longer than answers take): its waves
+    # then open at LATE_WORTH, whatever rows cost, so the tail of answers does not wait on
+    # wave after wave (a server knows the time answers take; None: never late)
+    late: Callable[[], bool] | None = None
 
     def __post_init__(self) -> None:
         if self.objective not in ("latency", "throughput"):
@@ -236,7 +241,7 @@ class RunAhead:
         """The larger of kappa(B, s) (s / r) T(B) / T(B - r + s), T's ratio
         from the elasticity over the r - s rows between, and kappa(B, s)
         weighed by the problems sharing the batch (module docstring)."""
-        if r <= s:
+        if r <= s or self.costs is None:
             return kappa
         base = max(1, round(rows - r + s))
         if base >= rows:
@@ -269,6 +274,8 @@ class RunAhead:
             kappa = self.kappa(rows, s)
             if self.objective == "latency" and own_problems > 0:
                 kappa = self._latency_kappa(kappa, rows, s, own_rows / own_problems)
+            if self.late is not None and self.late():
+                kappa = min(kappa, LATE_WORTH)
             self.stats.last_kappa, self.stats.last_rows = kappa, rows
             if q <= kappa:
                 self.stats.declined += 1 + len(heap)

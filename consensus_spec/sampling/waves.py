@@ -200,6 +200,9 @@ class PathPlanner:
         self.idle_rows = idle_rows  # None: rows this run's capacity leaves free are idle
         self.run_ahead = run_ahead
         self.running_forecast: Callable[[int], list | None] | None = None  # p -> running paths' forecasts
+        # (p, answers in finishing order, unfinished) -> the full-n vote cannot change (exact:
+        # any order will do); asked once paths beyond the voted prefix have finished
+        self.decided_check: StopCheck | None = None
         self.sizes = self.schedule.sizes(n)
         self.ends = list(itertools.accumulate(self.sizes))  # one past each wave's last path
         self.problems: dict[int, _Problem] = {}
@@ -304,6 +307,9 @@ class PathPlanner:
                 if check is not None and st.looked < self.n and \
                         check(p, [st.by_path[k] for k in range(st.looked)], self.n - st.looked):
                     return True
+            if self.decided_check is not None and len(st.answers) > st.looked and \
+                    self.decided_check(p, list(st.answers), self.n - len(st.answers)):
+                return True
             check = None  # below: only move past finished waves
         while st.checked <= st.wave and st.left[st.checked] == 0:
             upto = self.ends[st.checked]

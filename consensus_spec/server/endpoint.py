@@ -17,14 +17,20 @@ request and response, :mod:`.protocol`), ``POST
 /v1/self_consistency/completions`` and ``.../chat/completions`` (the OpenAI
 shapes, :mod:`.openai_routes`), ``GET /v1/self_consistency/state``.  Each
 runs its paths through :mod:`.runs` against the server's engine client:
-waves as sibling requests of one prompt (consensus drafting sees them),
-the stop rule after each wave, aborts of a stopped problem's paths; a
-client that goes away cancels the run, which aborts every path it started.
-Later waves start early where they pay (:mod:`consensus_spec.sampling.run_ahead`),
-by the engine's step cost measured in this process (:mod:`.step_costs`);
-``CONSENSUS_SPEC_SC_RUN_AHEAD``: ``measured`` (default; the clients' time
-to their answers), ``throughput`` (rows of work per second), or ``idle``
-(start them into any idle row, as before run-ahead).
+paths as sibling requests of one prompt (consensus drafting sees them),
+every path at once or in waves as the engine's load decides
+(:mod:`consensus_spec.sampling.load_policy`; the server's state in
+:mod:`.state`), the stop rule after each path, aborts of a stopped
+problem's paths; a client that goes away cancels the run, which aborts
+every path it started.
+Once a problem waves, later waves start early where they pay
+(:mod:`consensus_spec.sampling.run_ahead`), by the engine's step cost
+measured in this process (:mod:`.step_costs`);
+``CONSENSUS_SPEC_SC_RUN_AHEAD``: ``throughput`` (default: rows of work per
+second, what a saturated engine answers by; a run later than the recent
+answers took opens the waves its vote more likely needs than not),
+``measured`` (the clients' time to their answers), or ``idle`` (start them
+into any idle row, as before run-ahead).
 
 Limits, from the server's environment: ``CONSENSUS_SPEC_SC_MAX_N`` (paths
 per problem, default 64), ``CONSENSUS_SPEC_SC_MAX_PROMPTS`` (problems per
@@ -34,10 +40,9 @@ request cannot hold every batch row; vLLM's FCFS queue takes the rest).
 Idle fill (later waves started early) counts rows idle server-wide: a
 request opens early waves only into rows no self-consistency path holds,
 so under load waves run one after another and early stop saves their
-tokens, and on a quiet server they overlap and the answer comes sooner.
-``CONSENSUS_SPEC_SC_IDLE_FILL``: ``any`` (default) gives idle rows to
-whichever run asks; ``oldest`` to older runs first, the problems whose
-votes have not settled (a shorter latency tail, fewer answers per second).
+tokens.  ``CONSENSUS_SPEC_SC_IDLE_FILL``: ``oldest`` (default) gives idle
+rows to older runs first, the problems whose votes have not settled (the
+tail of the answer times); ``any`` to whichever run asks.
 ``CONSENSUS_SPEC_SC_DEFAULTS``: the server's defaults for the run options
 (a JSON object, see :mod:`.options`).
 """
@@ -52,24 +57,19 @@ import sys
 import time
 from argparse import Namespace
 from collections import Counter
-from typing import Callable
 
-from ..sampling import run_ahead, stopping
-from ..sampling.answer_prior import AnswerPrior
-from ..sampling.results import StoppingTotals
-from ..sampling.run_ahead import RunAheadStats
-from ..voting import answers
 from . import PLUGIN_NAME, ROUTE
 from .options import BadRequest, Limits, parse_defaults
 from .protocol import SelfConsistencyRequest, is_many, parse_request, problem_json
-from .runs import error, new_run_id, run_request, sse, streams_paths, tasks_held, until_disconnect
+from .runs import error, new_run_id, run_request, sse, streams_paths, until_disconnect
+from .state import ServerState
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handler and format
 
 FIXES_PLUGIN = "consensus_spec_vllm_cpu_fixes"
 ENABLE = f"VLLM_PLUGINS={FIXES_PLUGIN},{PLUGIN_NAME}"
-IDLE_FILL = ("any", "oldest")  # CONSENSUS_SPEC_SC_IDLE_FILL
-RUN_AHEAD = ("measured", "throughput", "idle")  # CONSENSUS_SPEC_SC_RUN_AHEAD
+IDLE_FILL = ("oldest", "any")  # CONSENSUS_SPEC_SC_IDLE_FILL, the default first
+RUN_AHEAD = ("throughput", "measured", "idle")  # CONSENSUS_SPEC_SC_RUN_AHEAD, the default first
 
 
 def _env_int(name: str, default: int) -> int:
@@ -110,87 +110,6 @@ def startup_check() -> str | None:
     return line
 
 
-class _State:
-    """Per-server state: the engine client, limits, and the live runs (counted
-    for ``GET /v1/self_consistency/state`` and the soak test)."""
-
-    def __init__(self, engine_client, args: Namespace, limits: Limits, max_num_seqs: int,
-                 defaults: dict | None = None, run_ahead: str = "measured", costs=None,
-                 renderer=None):
-        self.engine = engine_client
-        self.limits = limits
-        self.max_num_seqs = max_num_seqs
-        self.defaults = defaults or {}
-        self.run_ahead_mode = run_ahead
-        self.measured_run_ahead = run_ahead != "idle"
-        self.costs = costs  # EngineStepCosts (step_costs.py)
-        self.renderer = renderer  # vLLM's OnlineRenderer (the OpenAI-shaped routes)
-        self.run_ahead_total = RunAheadStats()
-        mc = engine_client.model_config
-        self.default_sampling_params = mc.get_diff_sampling_param()  # as vLLM's routes take them
-        self.override_max_tokens = (
-            self.default_sampling_params.get("max_tokens")
-            if getattr(mc, "generation_config", "auto") not in ("auto", "vllm")
-            else (getattr(mc, "override_generation_config", None) or {}).get("max_new_tokens"))
-        model = getattr(args, "model", None)
-        names = getattr(args, "served_model_name", None) or ([model] if model else [])
-        self.model_names = [names] if isinstance(names, str) else list(names)
-        self.max_model_len = engine_client.model_config.max_model_len
-        parallel = getattr(getattr(engine_client, "vllm_config", None), "parallel_config", None)
-        self.data_parallel_size = int(getattr(parallel, "data_parallel_size", 1) or 1)
-        self.chat_template = getattr(args, "chat_template", None)
-        self.runs: dict[str, int] = {}  # run id -> paths in the engine now
-        self.client_ids: dict[str, str] = {}  # run id -> the client's X-Request-Id
-        self.wants: dict[str, Callable[[], int]] = {}  # run id -> rows its idle fill would take
-        self.requests_total = 0
-        self.requests_unfinished = 0  # failed, or cancelled by a client that left
-        # one prior for every run: the server learns how its traffic's problems split
-        self.prior = AnswerPrior.learning()
-        self.stopping = StoppingTotals()
-
-    def idle_rows(self, run_id: str) -> int:
-        """Rows ``run_id``'s idle fill may open early waves into: the batch
-        rows no self-consistency path holds (other routes' requests are not
-        counted); with ``idle_fill="oldest"``, less what older runs would take
-        first (the runs still going are the problems whose votes have not
-        settled: a shorter tail of latency, at some throughput)."""
-        held = sum(self.runs.values())
-        if self.costs is not None and self.costs.measured:  # every route's rows, not only ours
-            held = max(held, self.costs.rows())
-        idle = self.max_num_seqs - held
-        if self.limits.idle_fill != "oldest":
-            return idle
-        for other, wanted in self.wants.items():  # oldest first
-            if other == run_id or idle <= 0:
-                break
-            idle -= wanted()
-        return idle
-
-    def snapshot(self, client_id: str | None = None) -> dict:
-        """Counts; with ``client_id``, only the runs of requests that sent it
-        as ``X-Request-Id`` (so a client can check that its run ended)."""
-        if client_id is not None:
-            mine = [r for r, c in self.client_ids.items() if c == client_id]
-            return {"request_id": client_id, "requests_active": len(mine),
-                    "paths_in_flight": sum(self.runs.get(r, 0) for r in mine)}
-        return {"requests_active": len(self.runs), "paths_in_flight": sum(self.runs.values()),
-                "client_ids_held": len(self.client_ids), "planners_held": len(self.wants),
-                "tasks_held": tasks_held(),
-                # memos the votes and run-ahead keep: [entries, bound]
-                "caches": {**stopping.cache_sizes(), **run_ahead.cache_sizes(),
-                           **answers.cache_sizes(), **self.prior.sizes()},
-                "requests_total": self.requests_total,
-                "requests_unfinished": self.requests_unfinished,
-                "limits": {"max_n": self.limits.max_n, "max_prompts": self.limits.max_prompts,
-                           "max_inflight": self.limits.max_inflight,
-                           "idle_fill": self.limits.idle_fill},
-                "defaults": self.defaults,
-                "run_ahead": {"mode": self.run_ahead_mode,
-                              **self.run_ahead_total.as_dict()},
-                "stopping": {**self.stopping.as_dict(), "prior_problems_seen": self.prior.problems_seen},
-                "step_costs": self.costs.summary() if self.costs is not None else None}
-
-
 class SelfConsistencyPlugin:
     """The endpoint plugin (see vllm/plugins/endpoint_plugins/interface.py)."""
 
@@ -225,16 +144,16 @@ class SelfConsistencyPlugin:
             return  # render-only server: the route answers 503
         sched = getattr(getattr(engine_client, "vllm_config", None), "scheduler_config", None)
         max_seqs = getattr(sched, "max_num_seqs", None) or 256
-        idle_fill = os.environ.get("CONSENSUS_SPEC_SC_IDLE_FILL", "any")
+        idle_fill = os.environ.get("CONSENSUS_SPEC_SC_IDLE_FILL", IDLE_FILL[0])
         if idle_fill not in IDLE_FILL:
             logger.warning("consensus_spec: CONSENSUS_SPEC_SC_IDLE_FILL=%r is not one of %s; "
-                           "using 'any'", idle_fill, IDLE_FILL)
-            idle_fill = "any"
-        run_ahead = os.environ.get("CONSENSUS_SPEC_SC_RUN_AHEAD", "measured")
+                           "using %r", idle_fill, IDLE_FILL, IDLE_FILL[0])
+            idle_fill = IDLE_FILL[0]
+        run_ahead = os.environ.get("CONSENSUS_SPEC_SC_RUN_AHEAD", RUN_AHEAD[0])
         if run_ahead not in RUN_AHEAD:
             logger.warning("consensus_spec: CONSENSUS_SPEC_SC_RUN_AHEAD=%r is not one of %s; "
-                           "using 'measured'", run_ahead, RUN_AHEAD)
-            run_ahead = "measured"
+                           "using %r", run_ahead, RUN_AHEAD, RUN_AHEAD[0])
+            run_ahead = RUN_AHEAD[0]
         limits = Limits(max_n=_env_int("CONSENSUS_SPEC_SC_MAX_N", 64),
                         max_prompts=_env_int("CONSENSUS_SPEC_SC_MAX_PROMPTS", 64),
                         max_inflight=_env_int("CONSENSUS_SPEC_SC_MAX_INFLIGHT", max(1, max_seqs // 2)),
@@ -244,8 +163,8 @@ class SelfConsistencyPlugin:
         from .step_costs import ensure_costs
 
         costs = ensure_costs(getattr(engine_client, "vllm_config", None))
-        state.consensus_sc = _State(engine_client, args, limits, max_seqs, defaults, run_ahead,
-                                    costs, getattr(state, "online_renderer", None))
+        state.consensus_sc = ServerState(engine_client, args, limits, max_seqs, defaults,
+                                         run_ahead, costs, getattr(state, "online_renderer", None))
         logger.info("consensus_spec: POST %s, %s/completions and %s/chat/completions served "
                     "(max n %d, %d problems a request, %d paths in flight a request, idle fill "
                     "%s, run-ahead %s, step costs %s)", ROUTE, ROUTE, ROUTE, limits.max_n,
@@ -265,7 +184,7 @@ def plugin() -> SelfConsistencyPlugin:
 # The request
 
 
-def _render(st: _State, req: SelfConsistencyRequest) -> list[list[int]]:
+def _render(st: ServerState, req: SelfConsistencyRequest) -> list[list[int]]:
     """Each problem's prompt token ids (the chat template applied to
     messages), checked against the model's length.  Runs in a worker thread
     (tokenizing long prompts must not hold up the event loop)."""
@@ -305,9 +224,17 @@ def _render(st: _State, req: SelfConsistencyRequest) -> list[list[int]]:
 
 
 async def handle(raw_request):
-    st: _State | None = getattr(raw_request.app.state, "consensus_sc", None)
+    st: ServerState | None = getattr(raw_request.app.state, "consensus_sc", None)
     if st is None:
         return error(503, "no engine behind this server", None)
+    run_id = new_run_id("sc")
+    try:
+        return await _handle(raw_request, st, run_id)
+    finally:
+        st.pending.pop(run_id, None)  # counted from its parse until its run chose its schedule
+
+
+async def _handle(raw_request, st: ServerState, run_id: str):
     try:
         body = json.loads(await raw_request.body() or b"null")
     except (ValueError, UnicodeDecodeError) as e:
@@ -319,6 +246,8 @@ async def handle(raw_request):
                                         f"{ROUTE}/chat/completions; this route returns every problem's vote")
         if req.model is not None and req.model not in st.model_names:
             return error(404, f"The model `{req.model}` does not exist.", "model")
+        st.arrived(run_id, len(req.prompt if req.prompt is not None else req.messages)
+                   if is_many(req) else 1, req.n)
         prompts = await asyncio.to_thread(_render, st, req)
         make_params = _params_factory(req, prompts, st.max_model_len, opts.voting.weighted,
                                       streams_paths(opts.stop_rule))
@@ -330,10 +259,10 @@ async def handle(raw_request):
 
     from vllm import TokensPrompt
 
-    run_id = new_run_id("sc")
     max_tokens = req.max_tokens or max(_default_max_tokens(st.max_model_len, p) for p in prompts)
     events: asyncio.Queue | None = asyncio.Queue() if req.stream else None
     created = int(time.time())
+    used: dict = {}  # the schedule the run chose (schedule_used)
 
     def on_vote(p: int, answers: list, remaining: int, stop: bool) -> None:
         if events is not None:
@@ -352,12 +281,13 @@ async def handle(raw_request):
         result = await run_request(st, raw_request, run_id,
                                    [TokensPrompt(prompt_token_ids=ids) for ids in prompts],
                                    make_params, req.n, opts, max_tokens, on_vote=on_vote,
-                                   on_problem_done=on_problem_done)
+                                   on_problem_done=on_problem_done,
+                                   on_schedule=lambda choice: used.update(choice.as_dict()))
         problems = [problem_json(r, req.n, opts.stop_rule, opts.return_paths) for r in result]
         out = {"id": run_id, "object": "self_consistency", "created": created,
                "model": st.model_names[0] if st.model_names else None,
                "n": req.n, "early_stop": opts.stop_rule.describe() if opts.stop_rule else "off",
-               "schedule": opts.schedule.describe()}
+               "schedule": used["schedule"], "schedule_used": used}
         if is_many(req):
             out["results"] = problems
         else:

@@ -177,10 +177,11 @@ def representative(result: ProblemResult) -> Sample | None:
 
 
 def vote_json(result: ProblemResult, n: int, opts: RunOptions, rep: Sample | None,
-              first_seed: int | None) -> dict:
+              first_seed: int | None, schedule_used: dict | None = None) -> dict:
     out = problem_json(result, n, opts.stop_rule, opts.return_paths)
     out["early_stop"] = opts.stop_rule.describe() if opts.stop_rule else "off"
-    out["schedule"] = opts.schedule.describe()
+    out["schedule"] = schedule_used["schedule"] if schedule_used else opts.schedule.describe()
+    out["schedule_used"] = schedule_used  # how the engine's load chose it
     out["representative_path"] = None if rep is None else rep.path
     out["distinct_texts"] = len({s.text for s in result.samples})  # of the finished paths
     # path k ran with seed first_seed + k (None: unseeded)
@@ -234,21 +235,23 @@ def _token_text(tid: int, entry, tokenizer, as_ids: bool) -> str:
 
 
 def choices_json(kind: str, p: int, result: ProblemResult, req, opts: RunOptions,
-                 tokenizer, prompt_ids: list[int]) -> list[dict]:
+                 tokenizer, prompt_ids: list[int], schedule_used: dict | None = None) -> list[dict]:
     """Prompt ``p``'s choices: with ``choices="vote"`` one, the voted path
     (index ``p``); with ``"paths"`` every path, the voted one first (indices
     p * n ...), as OpenAI numbers n choices of several prompts."""
     rep = representative(result)
     if opts.choices != "paths":
-        return [choice_json(kind, p, p, result, req, opts, tokenizer, prompt_ids, rep)]
+        return [choice_json(kind, p, p, result, req, opts, tokenizer, prompt_ids, rep,
+                            schedule_used)]
     n = req.n or 1
     order = ([rep] if rep else []) + [s for s in result.samples if s is not rep]
-    return [choice_json(kind, p * n + j, p, result, req, opts, tokenizer, prompt_ids, s)
-            for j, s in enumerate(order)]
+    return [choice_json(kind, p * n + j, p, result, req, opts, tokenizer, prompt_ids, s,
+                        schedule_used) for j, s in enumerate(order)]
 
 
 def choice_json(kind: str, index: int, p: int, result: ProblemResult, req, opts: RunOptions,
-                tokenizer, prompt_ids: list[int], rep: Sample | None) -> dict:
+                tokenizer, prompt_ids: list[int], rep: Sample | None,
+                schedule_used: dict | None = None) -> dict:
     """Choice ``index`` of the response, prompt ``p``'s path ``rep``, with the vote."""
     as_ids = bool(getattr(req, "return_tokens_as_token_ids", False))
     text = rep.text if rep else ""
@@ -269,7 +272,7 @@ def choice_json(kind: str, index: int, p: int, result: ProblemResult, req, opts:
         out["prompt_token_ids"] = list(prompt_ids)
     n = req.n or 1
     first_seed = None if req.seed is None else req.seed + p * n
-    out["self_consistency"] = vote_json(result, n, opts, rep, first_seed)
+    out["self_consistency"] = vote_json(result, n, opts, rep, first_seed, schedule_used)
     return out
 
 

@@ -14,8 +14,8 @@ import asyncio
 import json
 import time
 
-from .openai_protocol import (CHAT, COMPLETION, choices_json, parse_openai, path_params,
-                              response_json, stream_chunks, usage_chunk)
+from .openai_protocol import (CHAT, COMPLETION, choices_json, num_prompts, parse_openai,
+                              path_params, response_json, stream_chunks, usage_chunk)
 from .options import BadRequest
 from .runs import error, new_run_id, run_request, sse, streams_paths, until_disconnect
 
@@ -63,13 +63,21 @@ async def _render(st, req, kind: str) -> list:
 
 
 async def handle(raw_request, kind: str):
+    st = getattr(raw_request.app.state, "consensus_sc", None)
+    if st is None:
+        return error(503, "no engine behind this server", None)
+    run_id = new_run_id("chatcmpl-sc" if kind == CHAT else "cmpl-sc")
+    try:
+        return await _handle(raw_request, kind, st, run_id)
+    finally:
+        st.pending.pop(run_id, None)  # counted from its parse until its run chose its schedule
+
+
+async def _handle(raw_request, kind: str, st, run_id: str):
     from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
     from vllm.exceptions import VLLMError
 
-    st = getattr(raw_request.app.state, "consensus_sc", None)
     route = raw_request.url.path
-    if st is None:
-        return error(503, "no engine behind this server", None)
     try:
         body = json.loads(await raw_request.body() or b"null")
     except (ValueError, UnicodeDecodeError) as e:
@@ -78,6 +86,7 @@ async def handle(raw_request, kind: str):
         req, opts = parse_openai(body, kind, st.limits, st.defaults)
         if req.model is not None and req.model not in st.model_names:
             return error(404, f"The model `{req.model}` does not exist.", "model")
+        st.arrived(run_id, num_prompts(req, kind), req.n or 1)
         inputs = await _render(st, req, kind)
         prompts = [list(x["prompt_token_ids"]) for x in inputs]
         asked = req.max_tokens
@@ -105,7 +114,6 @@ async def handle(raw_request, kind: str):
         return error(400, str(e), getattr(e, "parameter", None))
 
     n = req.n or 1
-    run_id = new_run_id("chatcmpl-sc" if kind == CHAT else "cmpl-sc")
     created = int(time.time())
     model = req.model or (st.model_names[0] if st.model_names else "")
     wants_logprobs = bool(req.logprobs) if kind == CHAT else req.logprobs is not None
@@ -114,9 +122,10 @@ async def handle(raw_request, kind: str):
     prompt_tokens = sum(len(ids) for ids in prompts)
     events: asyncio.Queue | None = asyncio.Queue() if req.stream else None
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    used: dict = {}  # the schedule the run chose (each vote's schedule_used)
 
     def choices(p: int, result) -> list[dict]:
-        return choices_json(kind, p, result, req, opts, tokenizer, prompts[p])
+        return choices_json(kind, p, result, req, opts, tokenizer, prompts[p], used)
 
     def on_problem_done(p: int, book) -> None:
         if events is not None:
@@ -127,6 +136,7 @@ async def handle(raw_request, kind: str):
     async def run():
         return await run_request(st, raw_request, run_id, inputs, make_params, n, opts,
                                  max(limits), on_problem_done=on_problem_done,
+                                 on_schedule=lambda choice: used.update(choice.as_dict()),
                                  keep_outputs=keep, priority=req.priority)
 
     if req.stream:

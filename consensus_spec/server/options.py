@@ -50,7 +50,7 @@ class Limits:
     max_n: int = 64
     max_prompts: int = 64
     max_inflight: int = 128  # paths of one request in the engine at once
-    idle_fill: str = "any"  # "any": idle rows to whichever run asks; "oldest": older runs first
+    idle_fill: str = "oldest"  # "oldest": idle rows to older runs first; "any": to whichever asks
 
 
 class Strict(BaseModel):
@@ -89,8 +89,8 @@ class RunOptionsIn(Strict):
     # True: the library's default StopRule (bayes, error 0.002); a kind
     # name; a margin > 0; an object of StopRule fields; false/null: all n paths.
     early_stop: Union[bool, str, float, StopRuleIn, None] = True
-    # "2", "4,4,rest", "all" (Schedule.parse), or an object; default: waves
-    # of 2 with early stop, all at once without.
+    # "2", "4,4,rest", "all" (Schedule.parse), or an object; default: with early
+    # stop the engine's load picks waves of 2 or all at once; without, all at once.
     schedule: Union[str, ScheduleIn, None] = None
     voting: VotingIn = Field(default_factory=VotingIn)
     # a regex (lm-eval's regex_pattern) or {pattern, select}; default: the
@@ -108,10 +108,13 @@ class RunOptions:
     """The options resolved: what :func:`~consensus_spec.sampling.async_loop.run_paths_async` takes."""
 
     stop_rule: StopRule | None
-    schedule: Schedule
+    schedule: Schedule  # with schedule_auto, the waves the engine's load may choose
     voting: Voting
     return_paths: bool
     choices: str | None = None
+    # no schedule named (request or server defaults) and a stop rule: the engine's load picks
+    # waves or every path at once (consensus_spec.sampling.load_policy)
+    schedule_auto: bool = False
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "none", "StopRuleIn", "ScheduleIn", "Message",
@@ -174,6 +177,7 @@ def resolve_options(opts: RunOptionsIn, limits: Limits) -> RunOptions:
                                 fill_idle=opts.schedule.fill_idle)
     except ValueError as e:
         raise BadRequest("schedule", str(e)) from None
+    auto = schedule is None and stop_rule is not None
     if schedule is None:
         schedule = Schedule() if stop_rule is not None else Schedule(waves=(REST,))
     schedule = dataclasses.replace(schedule, capacity=limits.max_inflight)
@@ -194,7 +198,7 @@ def resolve_options(opts: RunOptionsIn, limits: Limits) -> RunOptions:
     if stop_rule is not None and voting.weighted:
         raise BadRequest("voting.weighted", "stop rules count unweighted votes: "
                          "weighted voting needs early_stop=false")
-    return RunOptions(stop_rule, schedule, voting, opts.return_paths, opts.choices)
+    return RunOptions(stop_rule, schedule, voting, opts.return_paths, opts.choices, auto)
 
 
 def split_options(body: dict, defaults: dict) -> tuple[dict, RunOptionsIn]:

@@ -85,6 +85,10 @@ def is_many(req: SelfConsistencyRequest) -> bool:
 def stop_reason(result: ProblemResult, n: int, stop_rule: StopRule | None) -> str:
     if result.stopped_early and result.stopped_after is not None:
         lead = result.vote.winner.count if result.vote.winner else 0
+        if result.decided:
+            return (f"{stop_rule.describe()}: decided after {result.stopped_after} of {n} paths "
+                    f"({lead} for the answer; the other {n - result.stopped_after} could not "
+                    "change it)")
         return (f"{stop_rule.describe()}: stopped after {result.stopped_after} of {n} paths "
                 f"({lead} for the answer)")
     if stop_rule is None:

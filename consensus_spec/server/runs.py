@@ -16,6 +16,7 @@ with ``data_parallel_rank``: the client's ``X-data-parallel-rank`` header
 import asyncio
 import json
 import logging
+import time
 import uuid
 from typing import Any, Callable
 
@@ -23,7 +24,6 @@ from ..sampling.async_loop import TASK_PREFIX, run_paths_async
 from ..sampling.routing import data_parallel_rank
 from ..sampling.run_ahead import RunAhead
 from .options import RunOptions
-from .step_costs import engine_costs
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -69,13 +69,26 @@ def streams_paths(stop_rule) -> bool:
 async def run_request(st, raw_request, run_id: str, prompts: list, make_params: Callable,
                       n: int, opts: RunOptions, max_tokens: int, *,
                       on_vote: Callable | None = None, on_problem_done: Callable | None = None,
+                      on_schedule: Callable | None = None,
                       keep_outputs: bool = False, priority: int = 0):
     """Sample and vote ``prompts`` (engine inputs) through the server's
-    engine; the run is counted in ``st`` while it lasts.  Cancelling it (a
-    client that left) aborts every path it started."""
-    costs = engine_costs()
+    engine; the run is counted in ``st`` while it lasts.  Unless the
+    request named a schedule, the engine's load picks it
+    (:func:`~consensus_spec.sampling.load_policy.choose_schedule`);
+    ``on_schedule(choice)`` sees the choice before any path is sent.
+    Cancelling the run (a client that left) aborts every path it started."""
+    started = time.monotonic()
+
+    def problem_done(p: int, book) -> None:
+        st.problem_answered(run_id, time.monotonic() - started)
+        if on_problem_done is not None:
+            on_problem_done(p, book)
+
+    costs = st.costs  # the engine's step cost, measured in this process (step_costs.py)
     objective = "throughput" if st.run_ahead_mode == "throughput" else "latency"
-    run_ahead = RunAhead(opts.stop_rule, costs, objective) if st.measured_run_ahead else None
+    run_ahead = RunAhead(opts.stop_rule, costs, objective,
+                         late=lambda: st.late(time.monotonic() - started)) \
+        if st.measured_run_ahead else None
 
     def on_submit(count: int) -> None:
         if run_id in st.runs:  # a cancelled run's shielded clean-up may end after it left
@@ -94,18 +107,21 @@ async def run_request(st, raw_request, run_id: str, prompts: list, make_params: 
         return st.engine.generate(prompt, params, rid, priority=priority, data_parallel_rank=rank)
 
     pinned = _header_rank(raw_request, dp)
-
+    # chosen and counted with no await before: requests arriving together see each other
+    schedule, choice = st.schedule_for(run_id, opts, len(prompts), n)
     st.runs[run_id] = 0
     client_id = raw_request.headers.get("X-Request-Id")
     if client_id:
         st.client_ids[run_id] = client_id[:256]
     st.requests_total += 1
     try:
+        if on_schedule is not None:
+            on_schedule(choice)
         result = await run_paths_async(
-            generate, st.engine.abort, prompts, make_params, n, schedule=opts.schedule,
+            generate, st.engine.abort, prompts, make_params, n, schedule=schedule,
             stop_rule=opts.stop_rule, voting=opts.voting, max_tokens=max_tokens,
             delta=streams_paths(opts.stop_rule),
-            run_id=run_id, on_vote=on_vote, on_problem_done=on_problem_done,
+            run_id=run_id, on_vote=on_vote, on_problem_done=problem_done,
             on_submit=on_submit, idle_rows=lambda: st.idle_rows(run_id),
             on_start=lambda book: st.wants.__setitem__(run_id, book.planner.rows_wanted),
             run_ahead=run_ahead, keep_outputs=keep_outputs, prior=st.prior)
@@ -118,6 +134,7 @@ async def run_request(st, raw_request, run_id: str, prompts: list, make_params: 
         st.runs.pop(run_id, None)
         st.client_ids.pop(run_id, None)
         st.wants.pop(run_id, None)
+        st.problems.pop(run_id, None)
         if run_ahead is not None:
             st.run_ahead_total.merge(run_ahead.stats)
 

@@ -16,7 +16,9 @@ admitted a request (a prefill) or followed an idle engine are left out.
 the step gets with more rows.
 
 Without stats (``--disable-log-stats``) the prior alone answers, and the
-server's start-up line says so.  The logger never raises into vLLM: a
+server's start-up line says so.  It also keeps the engine's running and
+waiting counts after each step: the load a request's schedule is chosen by
+(:mod:`~consensus_spec.sampling.load_policy`).  The logger never raises into vLLM: a
 failing record is counted and, after a few, recording stops.
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 from ..budget import cost_model
 from ..budget.row_costs import RowStepCosts
@@ -34,11 +37,6 @@ MAX_STEP_MS = 10_000.0  # a longer gap is the engine waiting, not a step
 MAX_FAILURES = 8
 
 _COSTS: "EngineStepCosts | None" = None  # one per API server process
-
-
-def engine_costs() -> "EngineStepCosts | None":
-    """The process's step costs (None before :func:`ensure_costs`)."""
-    return _COSTS
 
 
 def ensure_costs(vllm_config) -> "EngineStepCosts":
@@ -58,16 +56,24 @@ class EngineStepCosts:
         self.fit = RowStepCosts(cost_model(prior_name))
         self._last: dict[int, tuple[float, int]] = {}  # engine -> (time, running after it)
         self._running: dict[int, int] = {}
+        self._waiting: dict[int, int] = {}  # engine -> requests queued after its last step
+        # the caller's own requests in flight (a callable), read at each step: the engine's
+        # counts are as of its last step, so other requests are what they held beyond ours then
+        self.own_rows: Callable[[], int] | None = None
+        self._own_at_step = 0
         self.steps_seen = 0
         self.steps_used = 0
         self.measured = False  # a stat logger feeds it (else the prior alone answers)
 
     def record(self, engine: int, running: int, drafted: int, prefill: bool,
-               now: float | None = None) -> None:
+               now: float | None = None, waiting: int = 0) -> None:
         now = time.monotonic() if now is None else now
         last = self._last.get(engine)
         self._last[engine] = (now, running)
         self._running[engine] = running
+        self._waiting[engine] = waiting
+        if self.own_rows is not None:
+            self._own_at_step = self.own_rows()
         self.steps_seen += 1
         if last is None or last[1] <= 0 or prefill:
             return
@@ -83,6 +89,15 @@ class EngineStepCosts:
     def rows(self) -> int:
         return max(self._running.values(), default=0)
 
+    def waiting(self) -> int:
+        """Requests queued in the engine after its last step (the most of any engine)."""
+        return max(self._waiting.values(), default=0)
+
+    def other_rows(self) -> int:
+        """Rows and queue places of requests not the caller's (``own_rows``) at the last
+        step: paths aborted since then are not counted as someone else's."""
+        return max(0, sum(self._running.values()) + sum(self._waiting.values()) - self._own_at_step)
+
     def elasticity(self, rows: int, extra: int) -> float:
         return self.fit.kappa(rows, extra)
 
@@ -90,7 +105,8 @@ class EngineStepCosts:
         """For ``GET /v1/self_consistency/state``: what was measured."""
         return {"prior": self.prior_name, "measured": self.measured, "steps_seen": self.steps_seen,
                 "steps_used": self.steps_used, "steps_clipped": self.fit.steps_clipped,
-                "rows_now": self.rows(), "by_rows": self.fit.summary()}
+                "rows_now": self.rows(), "waiting_now": self.waiting(),
+                "by_rows": self.fit.summary()}
 
 
 def _prior_for(vllm_config) -> str:
@@ -130,7 +146,7 @@ def _make_logger_class():
                 drafted = int(getattr(spec, "num_draft_tokens", 0) or 0) if spec else 0
                 prefill = bool(getattr(iteration_stats, "num_prompt_tokens", 0))
                 self.costs.record(engine_idx, int(scheduler_stats.num_running_reqs), drafted,
-                                  prefill)
+                                  prefill, waiting=int(scheduler_stats.num_waiting_reqs))
             except Exception:  # noqa: BLE001 - never into vLLM's output handler
                 self.failures += 1
                 if self.failures >= MAX_FAILURES:

@@ -4,13 +4,14 @@ Concurrent clients (closed loop: each sends its next problem when its answer
 is back) ask for the voted answer of the embedded model's test problems:
 
 - ``endpoint``: ``POST /v1/self_consistency`` (early stop: the library's
-  default rule, waves of 2) on a server with consensus drafting;
+  default rule; the engine's load picks waves or every path at once) on a
+  server with consensus drafting;
 - ``endpoint-openai``: the same through ``POST /v1/self_consistency/completions``
   (the OpenAI-shaped route; the vote read from ``choices[0].self_consistency``);
 - ``endpoint-full``: the same endpoint without early stopping (all n paths);
-- ``client``: what users do today, ``n`` paths in one ``/v1/completions``
-  request and a client-side vote (the library's extraction and vote), on a
-  server with consensus drafting;
+- ``client-drafting``: the best a user does without the endpoint, ``n``
+  paths in one ``/v1/completions`` request and a client-side vote (the
+  library's extraction and vote), on a server with consensus drafting;
 - ``client-nospec``: the same client on a server without speculative decoding.
 
 One server per configuration per run, all up at once, each at every
@@ -23,8 +24,9 @@ other problems untimed: consensus drafts from other prompts' paths too, so
 a server that has just started drafts less than one that has run a while
 (on the embedded model the acceptance length rose from 2.6 to 5.8 over a
 new server's first 40 s).  Per configuration and concurrency: answers/s, tokens
-per answer, p50/p95 latency per answer, gold accuracy, and the server's
-process-tree CPU seconds beside the wall time.
+per answer, p50/p95/p99 latency per answer, gold accuracy, the server's
+process-tree CPU seconds beside the wall time, and the ratios to both
+clients.
 
 Agreement with a full-n vote: ``endpoint-full`` returns its n paths, and
 the endpoint's stop rule and waves are replayed on them in wave order (the
@@ -42,14 +44,15 @@ import concurrent.futures as cf
 import math
 import os
 import statistics
-import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from ..options import write_json
 from .servers import PLUGINS, SERVED, VllmServer, server_args
 
-CONFIGS = ("endpoint", "endpoint-openai", "endpoint-full", "client", "client-nospec")
+CONFIGS = ("endpoint", "endpoint-openai", "endpoint-full", "client-drafting", "client-nospec")
+BASES = ("client-drafting", "client-nospec")  # what the endpoint's ratios are taken against
 
 
 def ask(base_url: str, config: str, prob: dict, args) -> dict:
@@ -65,8 +68,8 @@ def ask(base_url: str, config: str, prob: dict, args) -> dict:
     full = config == "endpoint-full"
     if config in ("endpoint", "endpoint-full"):  # the native route; the others take the body as is
         body.update(early_stop=not full, return_paths=full)
-        if not full and args.schedule:
-            body["schedule"] = args.schedule
+    if config in ("endpoint", "endpoint-openai") and args.schedule:  # a named schedule, not the load's
+        body["schedule"] = args.schedule
     route = {"endpoint-openai": "/v1/self_consistency/completions", "endpoint": "/v1/self_consistency",
              "endpoint-full": "/v1/self_consistency"}.get(config, "/v1/completions")
     try:
@@ -76,13 +79,15 @@ def ask(base_url: str, config: str, prob: dict, args) -> dict:
         if config == "endpoint-openai":
             vote = out["choices"][0]["self_consistency"]
             answer, tokens, paths = vote["answer"], out["usage"]["completion_tokens"], vote["paths_sampled"]
+            mode = (vote.get("schedule_used") or {}).get("mode")
         elif config.startswith("endpoint"):
             answer, tokens, paths = out["answer"], out["tokens"], out["paths_sampled"]
+            mode = (out.get("schedule_used") or {}).get("mode")
         else:
             answer = majority_vote([extract_answer(c["text"]) for c in out["choices"]]).answer
-            tokens, paths = out["usage"]["completion_tokens"], len(out["choices"])
+            tokens, paths, mode = out["usage"]["completion_tokens"], len(out["choices"]), None
         row = {"ok": True, "i": prob["i"], "s": time.monotonic() - t0, "answer": answer,
-               "tokens": tokens, "paths": paths}
+               "tokens": tokens, "paths": paths, "mode": mode}
         if full:  # the n paths in wave order, for the replayed stop rule
             ordered = sorted(out["paths"], key=lambda x: x["index"])
             row.update(path_answers=[x["answer"] for x in ordered],
@@ -105,8 +110,9 @@ def run_configs(args, probs: list[dict], run: int, rows: int | None, warm: list[
     with contextlib.ExitStack() as stack:
         servers = {}
         for config in args.configs:
-            env = {"VLLM_PLUGINS": PLUGINS, "CONSENSUS_SPEC_SC_RUN_AHEAD": args.run_ahead} \
-                if config.startswith("endpoint") else {}
+            env = {"VLLM_PLUGINS": PLUGINS} if config.startswith("endpoint") else {}
+            if config.startswith("endpoint") and args.run_ahead != "default":
+                env["CONSENSUS_SPEC_SC_RUN_AHEAD"] = args.run_ahead
             servers[config] = stack.enter_context(VllmServer(
                 server_args(model_path(), config != "client-nospec", rows, args.max_model_len),
                 args.log_dir / f"run{run}_{config}_{rows or 'default'}.log", env))
@@ -190,9 +196,12 @@ def summarize(runs: list[dict], probs: list[dict], args) -> dict:
                 "failed": sum(len(c["records"]) for c in cells) - answers,
                 "answers_per_s": statistics.fmean(rates) if rates else 0.0,
                 "answers_per_s_range": [min(rates), max(rates)] if rates else None,
+                "rates": rates,
                 "tokens_per_answer": sum(x["tokens"] for o in ok for x in o) / max(1, answers),
                 "paths_per_answer": sum(x["paths"] for o in ok for x in o) / max(1, answers),
                 "p50_s": _pct(lat, 0.5) if lat else None, "p95_s": _pct(lat, 0.95) if lat else None,
+                "p99_s": _pct(lat, 0.99) if lat else None,
+                "modes": dict(Counter(x["mode"] for o in ok for x in o if x.get("mode"))),
                 "gold_accuracy": acc, "accuracy_se": math.sqrt(acc * (1 - acc) / max(1, answers)),
                 "server_cpu_s_per_answer": sum(c["server_cpu_s"] for c in cells) / max(1, answers),
                 "wall_s": [round(c["wall_s"], 1) for c in cells],
@@ -211,36 +220,55 @@ def summarize(runs: list[dict], probs: list[dict], args) -> dict:
                 replayed_paths_per_answer=statistics.fmean(r["paths"] for r in replays),
                 replayed_tokens_frac=sum(r["tokens"] for r in replays)
                 / max(1, sum(sum(x["path_tokens"]) for x in full)))
-        base = table.get(("client-nospec", conc))
-        for config in args.configs:
-            row = table[(config, conc)]
-            if base and base["answers_per_s"]:
-                row["x_answers_per_s_vs_client_nospec"] = row["answers_per_s"] / base["answers_per_s"]
-                row["x_p95_vs_client_nospec"] = row["p95_s"] / base["p95_s"] if base["p95_s"] else None
+        for name in BASES:
+            base = table.get((name, conc))
+            key = name.replace("-", "_")
+            for config in args.configs:
+                row = table[(config, conc)]
+                if base and base["answers_per_s"]:
+                    row[f"x_answers_per_s_vs_{key}"] = row["answers_per_s"] / base["answers_per_s"]
+                    row[f"x_answers_per_s_vs_{key}_per_run"] = [
+                        a / b for a, b in zip(row["rates"], base["rates"]) if b]
+                    for q in ("p50", "p95"):
+                        row[f"x_{q}_vs_{key}"] = row[f"{q}_s"] / base[f"{q}_s"] if base[f"{q}_s"] else None
     return table
 
 
 def markdown(table: dict, args, rows: int | None) -> str:
+    nan = float("nan")
     lines = [f"n={args.n}, {args.problems} problems, max_tokens {args.max_tokens}, "
              f"max_num_seqs {rows or 'default (flag left out)'}, runs {args.runs} "
-             "(order alternated)", "",
-             "| config | conc | answers/s (range) | x vs client-nospec | tokens/answer | paths/answer "
-             "| p50 s | p95 s | x p95 | gold acc (±SE) | agree full-n, replayed (paths) "
-             "| server CPU s/answer | fails |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(order alternated); x: over client-drafting / client-nospec (per run, min-max)", "",
+             "| config | conc | answers/s (range) | x answers/s | tokens/answer | paths/answer "
+             "| p50 / p95 / p99 s | x p50 | x p95 | gold acc (±SE) | agree full-n, replayed "
+             "(paths) | server CPU s/answer | schedules | fails |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def ratios(r, q):
+        out = []
+        for name in BASES:
+            key = f"x_{q}_vs_{name.replace('-', '_')}"
+            v = r.get(key)
+            per = r.get(key + "_per_run")
+            out.append("-" if v is None else f"{v:.2f}" + (f" ({min(per):.2f}-{max(per):.2f})"
+                                                            if per and len(per) > 1 else ""))
+        return " / ".join(out)
+
     for (config, conc), r in table.items():
         rng = r["answers_per_s_range"] or [0, 0]
         agree = r.get("agreement_with_full_n")
         agree_text = "-" if agree is None else \
             f"{agree:.3f} of {r['agreement_answers']} ({r['replayed_paths_per_answer']:.1f})"
+        modes = ", ".join(f"{m} {c}" for m, c in sorted(r["modes"].items())) or "-"
         lines.append(
             f"| {config} | {conc} | {r['answers_per_s']:.3f} ({rng[0]:.3f}-{rng[1]:.3f}) "
-            f"| {r.get('x_answers_per_s_vs_client_nospec', float('nan')):.2f} "
-            f"| {r['tokens_per_answer']:.0f} | {r['paths_per_answer']:.1f} | {r['p50_s']:.2f} "
-            f"| {r['p95_s']:.2f} | {(r.get('x_p95_vs_client_nospec') or float('nan')):.2f} "
+            f"| {ratios(r, 'answers_per_s')} "
+            f"| {r['tokens_per_answer']:.0f} | {r['paths_per_answer']:.1f} "
+            f"| {r['p50_s'] or nan:.2f} / {r['p95_s'] or nan:.2f} / {r['p99_s'] or nan:.2f} "
+            f"| {ratios(r, 'p50')} | {ratios(r, 'p95')} "
             f"| {r['gold_accuracy']:.3f} (±{r['accuracy_se']:.3f}) "
             f"| {agree_text} "
-            f"| {r['server_cpu_s_per_answer']:.2f} | {r['failed']} |")
+            f"| {r['server_cpu_s_per_answer']:.2f} | {modes} | {r['failed']} |")
     return "\n".join(lines)
 
 
@@ -254,10 +282,16 @@ def main(argv=None) -> int:
                     help="comma list of server row limits; 'default' leaves the flag out")
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--first-run", type=int, default=0,
+                    help="the first run's index (configs alternate order by run): runs split "
+                         "across invocations stay interleaved")
     ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--run-ahead", default="measured", choices=("measured", "throughput", "idle"),
-                    help="the endpoint's CONSENSUS_SPEC_SC_RUN_AHEAD")
-    ap.add_argument("--schedule", help="the endpoint's wave schedule (default: the endpoint's own)")
+    ap.add_argument("--run-ahead", default="default",
+                    choices=("default", "throughput", "measured", "idle"),
+                    help="the endpoint's CONSENSUS_SPEC_SC_RUN_AHEAD (default: left unset, the "
+                         "server's own default)")
+    ap.add_argument("--schedule", help="a schedule the endpoint configs name in each request "
+                                       "(default: none, the engine's load picks)")
     ap.add_argument("--warmup", type=int, default=64,
                     help="problems (not the timed ones) each server answers before the timed "
                          "runs, at the highest concurrency; 0: one request")
@@ -265,14 +299,6 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     ap.add_argument("--out", type=Path, help="JSON of every request and the table")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/serve_sc_logs"))
-    ap.add_argument("--lm-eval", action="store_true",
-                    help="lm-eval's repeats-based self-consistency task on a plain server against "
-                         "its chain-of-thought task with n through the base URL "
-                         "(evals/math/serve_sc_lm_eval.py; its own options: --lm-eval --help)")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--lm-eval" in argv:
-        from .serve_sc_lm_eval import main as lm_eval_main
-        return lm_eval_main([a for a in argv if a != "--lm-eval"])
     args = ap.parse_args(argv)
     try:
         args.rows = [None if r.strip() == "default" else int(r) for r in args.max_num_seqs.split(",")]
@@ -294,7 +320,7 @@ def main(argv=None) -> int:
     print(f"serve-sc: configs {args.configs}, concurrency {args.concurrency}, "
           f"{args.problems} problems, n {args.n}, {args.runs} run(s); cpus {os.cpu_count()}")
     runs = {rows: [] for rows in args.rows}
-    for run in range(args.runs):
+    for run in range(args.first_run, args.first_run + args.runs):
         for rows in args.rows:
             runs[rows].append(run_configs(args, probs, run, rows, warm))
     tables = {rows: summarize(runs[rows], probs, args) for rows in args.rows}
