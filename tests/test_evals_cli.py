@@ -17,7 +17,7 @@ EVALS = os.path.join(ROOT, "evals")
 COMMANDS = ("replay", "dp-replay", "device-route", "faults", "stream", "stop-rules", "waves", "waves-sim", "forecast",
             "confidence",
             "math", "record", "serve-sc", "rollout", "step-costs", "host-time", "propose-time", "warmup", "fetch-model",
-            "check-vllm", "gpu-check")
+            "check-vllm", "gpu-check", "gpu-step-costs")
 
 
 def evals(*args, timeout=120):
