@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import sys
 
+from . import isa
 from .traces import TraceError
 
 # package: (command, what it does); kept in the order `--help` lists them
@@ -16,7 +17,7 @@ GROUPS = {
     "evals.replay": (  # recorded traces replayed through the drafters
         ("replay", "replay recorded traces through the drafters: tau and projected speedup"),
         ("dp-replay", "replay traces with siblings split over data-parallel engines"),
-        ("device-route", "markdown of a replay's device-route runs (device-lag*)"),
+        ("device-report", "tables of a replay's device-route runs (device-lag*); the route's host time"),
         ("faults", "corrupted proposer inputs on chosen replay steps: containment and tau"),
         ("stream", "long-run memory and quality: millions of tokens through one proposer"),
     ),
@@ -37,6 +38,7 @@ GROUPS = {
     ),
     "evals.measure": (  # measurements the projections and the budget take as input
         ("step-costs", "measure a step-cost table T(B, q) for the draft budget"),
+        ("draft-oracle", "the best fixed draft length end to end on this machine, and the budget's share of it"),
         ("host-time", "measure host time per engine step (what async scheduling hides)"),
         ("propose-time", "propose()'s host time per row-step by phase, against an earlier commit"),
         ("warmup", "first-request latency with and without warm-up; --compile-only fills numba's cache"),
@@ -54,7 +56,8 @@ COMMANDS = {name: (f"{package}.{name.replace('-', '_')}", text)
 
 
 def usage() -> str:
-    lines = ["usage: python -m evals <command> [options]   (python -m evals <command> --help)"]
+    lines = ["usage: python -m evals [--isa native|avx2] <command> [options]   (python -m evals <command> --help)",
+             "  --isa avx2: run as on an AVX2 CPU without AVX-512 (emulated; evals/isa.py)"]
     for package, commands in GROUPS.items():
         lines.append(f"{package.replace('.', '/')}/")
         lines += [f"  {name:13s} {text}" for name, text in commands]
@@ -63,6 +66,15 @@ def usage() -> str:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        chosen = isa.pop_isa(argv)
+        isa.reexec_if_needed(chosen, argv)  # returns only where nothing is to change
+        running = isa.describe()
+    except isa.IsaError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if running != "native":
+        print(f"ISA: {running}", file=sys.stderr)
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0

@@ -1,5 +1,5 @@
-"""Command-line pieces the evals share: argument sets, errors, trace sets and
-result files."""
+"""Command-line pieces the evals share: argument sets, errors, ``--early-stop``
+rules, trace sets and result files."""
 
 from __future__ import annotations
 
@@ -8,6 +8,58 @@ import os
 import sys
 
 from .traces import shared_path
+
+
+class UsageError(Exception):
+    """Bad command line: reported as one ``error:`` line, exit code 2."""
+
+
+# the StopRule field a ``KIND:VALUE`` sets, by kind
+RULE_PARAMS = {"bayes": ("error", float), "sequential": ("error", float), "predictive": ("error", float),
+               "beta": ("error", float), "adaptive": ("error", float), "window": ("window", int),
+               "esc": ("window", int), "margin": ("margin", int)}
+
+
+def parse_early_stop(values: list[str] | None) -> list:
+    """``--early-stop`` values -> list of StopRule (None: off)."""
+    from consensus_spec.sampling.engine_loop import resolve_stop_rule
+    from consensus_spec.sampling.stopping import KINDS, StopRule
+
+    if values is None:
+        return [None]
+    if not values:  # bare flag
+        return [StopRule()]
+    out = []
+    for v in values:
+        text = v.strip().lower()
+        text, plus, flag = text.partition("+")
+        if plus and flag != "forecast":
+            raise UsageError(f"--early-stop: the one suffix is +forecast (bayes rules), got {v!r}")
+        kind, _, value = text.partition(":")
+        try:
+            if plus:  # the rule, then its forecast (errors below name the rule)
+                rule = parse_early_stop([text])[0]
+                if rule is None or rule.kind != "bayes":
+                    raise UsageError(f"--early-stop: +forecast goes with the bayes rule (on, bayes[:ERROR]), "
+                                     f"got {v!r}")
+                out.append(rule.with_overrides(forecast=True))
+            elif text in ("off", "none", "no", "false"):
+                out.append(None)
+            elif text in ("on", "true", "yes", "default"):
+                out.append(StopRule())
+            elif kind in KINDS and (not value or kind in RULE_PARAMS):
+                rule = StopRule(kind=kind)
+                if value:
+                    field, cast = RULE_PARAMS[kind]
+                    rule = rule.with_overrides(**{field: cast(value)})
+                out.append(rule)
+            else:
+                out.append(resolve_stop_rule(float(text)))  # a margin, as before
+        except ValueError as e:
+            raise UsageError(f"--early-stop expects off, on, decided, KIND[:VALUE] "
+                             f"(kinds {', '.join(KINDS)}) or a margin > 0, got {v!r}"
+                             + (f" ({e})" if "StopRule" in str(e) else ""))
+    return list(dict.fromkeys(out))
 
 
 def parse_options(pairs: list[str]) -> dict:
@@ -31,10 +83,20 @@ def add_option_arg(ap, help: str = "consensus drafter option, e.g. min_prob=0.3 
 
 
 def add_trace_args(ap, defaults: str = "the shared traces") -> None:
-    """``--traces``, ``--limit`` and ``--tokenizer``: the replays' trace sets."""
+    """``--traces``, ``--limit``, ``--tokenizer`` and ``--skip-bad-lines``:
+    the replays' trace sets."""
     ap.add_argument("--traces", nargs="+", help=f"trace files (default: {defaults})")
     ap.add_argument("--limit", type=int, help="first N problems of each set")
     ap.add_argument("--tokenizer", help="tokenizer.json (default: shared GPT-2)")
+    add_skip_bad_arg(ap)
+
+
+def add_skip_bad_arg(ap) -> None:
+    """``--skip-bad-lines``: a trace line that is not a JSON object is skipped
+    and counted, not an error (:class:`~evals.traces.TraceLines`)."""
+    ap.add_argument("--skip-bad-lines", action="store_true",
+                    help="skip trace lines that are not JSON objects (counted and reported) "
+                         "instead of stopping at the first")
 
 
 def trace_sets(traces: list[str] | None, defaults: tuple[str, ...]) -> list[tuple[str, str]]:

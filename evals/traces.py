@@ -5,12 +5,17 @@ Lines that ``python -m evals record`` wrote carry their token ids
 (``prompt_ids``, ``completion_ids``, ``meta.eos_token_id``): those are
 replayed as recorded, without a tokenizer.  Text-only lines (the shared
 traces) are tokenized; :func:`load_tokenizer` loads its tokenizer.json only
-when such a line needs it."""
+when such a line needs it.
+
+Every reader of these files reads them through :class:`TraceLines`: a line
+that is not a JSON object is an error naming the file and the line, unless
+the caller asks to skip such lines; what is skipped is counted and reported."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -29,6 +34,67 @@ class Problem:
     id: str
     prompt: list[int]
     completions: list[list[int]]  # each ends with EOS
+
+
+class TraceLines:
+    """The objects of one JSONL trace file, in order, with their line numbers.
+
+    A line that is not a JSON object (not UTF-8, not valid JSON, or another
+    JSON value) is a :class:`TraceError` naming the file and the line, unless
+    ``skip_bad``: then it is skipped and its number kept.  Readers count the
+    entries they cannot use with :meth:`skip`; :meth:`report` says what was
+    skipped."""
+
+    def __init__(self, path: str, skip_bad: bool = False):
+        if not os.path.exists(path):
+            raise TraceError(f"trace file not found: {path}")
+        self.path, self.skip_bad = path, skip_bad
+        self.bad_lines: list[int] = []
+        self.skipped: Counter[str] = Counter()  # reason: entries skipped for it
+
+    def __iter__(self):
+        with open(self.path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                try:
+                    obj = json.loads(raw.decode("utf-8"))
+                except ValueError as e:  # not UTF-8, or not JSON
+                    obj = e
+                if isinstance(obj, dict):
+                    yield lineno, obj
+                elif self.skip_bad:
+                    self.bad_lines.append(lineno)
+                else:
+                    why = f"not valid JSON ({getattr(obj, 'msg', obj)})" if isinstance(obj, ValueError) \
+                        else "not a JSON object"
+                    raise TraceError(f"{self.path}, line {lineno}: {why}")
+
+    def skip(self, reason: str) -> None:
+        """Count an entry the reader cannot use."""
+        self.skipped[reason] += 1
+
+    def report(self, log=None) -> None:
+        """A line for the bad lines and one per reason entries were skipped
+        for (``log``: default, print to stderr)."""
+        log = log or (lambda message: print(message, file=sys.stderr))
+        name, bad = os.path.basename(self.path), self.bad_lines
+        if bad:
+            log(f"{name}: skipped {len(bad)} line(s) not a JSON object: "
+                + ", ".join(map(str, bad[:5])) + ", ..." * (len(bad) > 5))
+        for reason, count in self.skipped.items():
+            log(f"{name}: skipped {count} entr{'y' if count == 1 else 'ies'}: {reason}")
+
+
+def trace_id(obj: dict, lineno: int) -> str:
+    """A line's problem id: its ``id``, else ``line<N>``."""
+    return str(obj.get("id", f"line{lineno}"))
+
+
+def completion_texts(obj: dict) -> list[str]:
+    """A line's non-empty completion texts, in order."""
+    comps = obj.get("completions")
+    return [c for c in comps if isinstance(c, str) and c] if isinstance(comps, list) else []
 
 
 def shared_path(*parts: str) -> str:
@@ -107,62 +173,43 @@ def _recorded(obj: dict, where: str, eos_id: int) -> tuple[list[int], list[tuple
 
 
 def load_problems(path: str, tokenizer=None, eos_id: int = GPT2_EOS, limit: int | None = None,
-                  min_samples: int = 2, log=print) -> list[Problem]:
-    """Tokenized problems from a trace file.  Unusable entries are skipped with
-    a message, and so is a truncated last line (an interrupted write); a line
-    that is not JSON before the last, or recorded ids that are malformed, are a
-    :class:`TraceError` naming the line.  ``tokenizer`` (``encode_batch``) is
-    used for text-only lines; ``eos_id`` ends their completions (recorded
-    lines end with their own ``meta.eos_token_id``)."""
-    if not os.path.exists(path):
-        raise TraceError(f"trace file not found: {path}")
+                  min_samples: int = 2, log=None, skip_bad: bool = False) -> list[Problem]:
+    """Tokenized problems from a trace file (:class:`TraceLines`: a bad line
+    is an error unless ``skip_bad``).  Entries with too few samples or no
+    prompt are skipped and reported through ``log``; recorded ids that are
+    malformed are a :class:`TraceError` naming the line.  ``tokenizer``
+    (``encode_batch``) is used for text-only lines; ``eos_id`` ends their
+    completions (recorded lines end with their own ``meta.eos_token_id``)."""
+    lines = TraceLines(path, skip_bad)
     problems: list[Problem] = []
-    skipped: Counter[str] = Counter()  # reason: entries skipped for it
-    name = os.path.basename(path)
-    with open(path, encoding="utf-8") as f:
-        lines = f.readlines()
-    last = max((i for i, line in enumerate(lines, 1) if line.strip()), default=0)
-    for lineno, line in enumerate(lines, 1):
+    few = f"fewer than {min_samples} non-empty completions"
+    for lineno, obj in lines:
         if limit is not None and len(problems) >= limit:
             break
-        if not line.strip():
-            continue
         where = f"{path}, line {lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            if lineno < last:
-                raise TraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            skipped[f"invalid JSON on the last line, line {lineno} (truncated by an interrupted write?)"] += 1
-            continue
-        if not isinstance(obj, dict):
-            skipped["not a JSON object"] += 1
-            continue
-        pid = str(obj.get("id", f"line{lineno}"))
+        pid = trace_id(obj, lineno)
         if "prompt_ids" in obj or "completion_ids" in obj:
             prompt_ids, recorded = _recorded(obj, where, eos_id)
             if len(recorded) < min_samples:
-                skipped[f"fewer than {min_samples} non-empty completions"] += 1
+                lines.skip(few)
                 continue
             if isinstance(tokenizer, TraceTokenizer):
                 pairs = [(t, ids[:-1]) for t, ids in recorded if t is not None]
                 tokenizer.remember([t for t, _ in pairs], [ids for _, ids in pairs])
             problems.append(Problem(pid, prompt_ids, [ids for _, ids in recorded]))
             continue
-        prompt, comps = obj.get("prompt"), obj.get("completions")
-        if not isinstance(prompt, str) or not prompt or not isinstance(comps, list):
-            skipped["no prompt or completions"] += 1
+        prompt, comps = obj.get("prompt"), completion_texts(obj)
+        if not isinstance(prompt, str) or not prompt or not isinstance(obj.get("completions"), list):
+            lines.skip("no prompt or completions")
             continue
-        comps = [c for c in comps if isinstance(c, str) and c]
         if len(comps) < min_samples:
-            skipped[f"fewer than {min_samples} non-empty completions"] += 1
+            lines.skip(few)
             continue
         if tokenizer is None:
             raise TraceError(f"{where}: text without token ids, and no tokenizer given")
         encoded = tokenizer.encode_batch([prompt] + comps)
         problems.append(Problem(pid, encoded[0].ids, [e.ids + [eos_id] for e in encoded[1:]]))
-    for reason, count in skipped.items():
-        log(f"{name}: skipped {count} entr{'y' if count == 1 else 'ies'}: {reason}")
+    lines.report(log)
     if not problems:
         raise TraceError(f"{path}: no replayable problems (need a prompt and >= {min_samples} completions)")
     return problems

@@ -2,7 +2,7 @@
 device-emul-lag*``; ``device-lag*``, the speculator itself, is in
 tests/test_device_speculator.py):
 sibling tokens reach the tries ``lag`` calls late, and every draft is
-exactly K tokens (or none at K = 0); ``python -m evals device-route`` tables
+exactly K tokens (or none at K = 0); ``python -m evals device-report`` tables
 a replay's results.
 
 Not kept from the in-process tests: driving the drafter call by call (two
@@ -81,7 +81,7 @@ def test_table_bolds_the_view_each_route_runs_under(tmp_path):
                 "changed_contexts": 20.0, "refresh_delta_bytes": 320.0, "host_feed_us_per_call": 200.0}]
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"results": results}))
-    lines = ok(run_evals("device-route", path, "--costs", STEP_COSTS)).splitlines()
+    lines = ok(run_evals("device-report", path, "--costs", STEP_COSTS)).splitlines()
     assert "| 1.20 | **0.90** |" in lines[2] and "per row" in lines[2]
     assert "| **1.10** | 1.00 |" in lines[3] and "| 2 |" in lines[3]
     # the second table: the device table's size and refresh against the lag's budget

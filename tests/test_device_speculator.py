@@ -1,4 +1,4 @@
-"""The device route's vLLM speculator (``consensus_spec/vllm/device_route.py``)
+"""The device route's vLLM speculator (``consensus_spec/vllm/device_speculator.py``)
 on CPU tensors with vLLM's own ``RequestState`` and ``InputBatch``: drafts
 equal the replay's emulation token for token, a lag never lets a token be
 drafted before it is visible, the table's shared part stays under its cap,
@@ -123,7 +123,7 @@ def test_a_failing_step_drafts_fill_tokens_and_never_raises(caplog):
 def test_the_slot_is_taken_only_after_the_probes_pass(monkeypatch, caplog):
     from vllm.v1.worker.gpu.spec_decode.ngram import speculator as slot
 
-    from consensus_spec.vllm import device_route as dr
+    from consensus_spec.vllm import device_speculator as dr
 
     original = slot.NgramGPUSpeculator
     monkeypatch.setattr(dr, "_installed", [])

@@ -5,6 +5,8 @@ Checked through the command line and the files, without importing evals."""
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import re
 import subprocess
@@ -12,9 +14,11 @@ import sys
 
 import pytest
 
+from tests.evals_cli import STEP_COSTS, TRACES
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EVALS = os.path.join(ROOT, "evals")
-COMMANDS = ("replay", "dp-replay", "device-route", "faults", "stream", "stop-rules", "waves", "waves-sim", "forecast",
+COMMANDS = ("replay", "dp-replay", "device-report", "faults", "stream", "stop-rules", "waves", "waves-sim", "forecast",
             "confidence",
             "math", "record", "serve-sc", "rollout", "step-costs", "host-time", "propose-time", "warmup", "fetch-model",
             "check-vllm", "gpu-check", "gpu-step-costs")
@@ -72,7 +76,36 @@ def test_layout_limits():
 
 def test_a_missing_input_file_is_one_line_not_a_traceback(tmp_path):
     missing = str(tmp_path / "no_such_results.json")
-    for args in (("device-route", missing), ("device-route", "--host-bench", missing)):
+    for args in (("device-report", missing), ("device-report", "--host-bench", missing)):
         out = evals(*args)
         assert out.returncode == 2, (args, out.stderr)
         assert "Traceback" not in out.stderr and missing in out.stderr, (args, out.stderr)
+
+
+def test_a_bad_trace_line_is_an_error_unless_skipped(tmp_path):
+    """Every reader of trace files (replay's problems, the vote traces,
+    forecast's path texts, confidence's logprobs) keeps one policy: a line
+    that is not a JSON object stops the command with the file and the line;
+    with --skip-bad-lines it is skipped, counted and reported."""
+    lines = []
+    with open(TRACES, encoding="utf-8") as f:
+        for line in itertools.islice(f, 3):
+            obj = json.loads(line)
+            obj["logprobs"] = [[-0.1] * len(ids) for ids in obj["completion_ids"]]
+            lines.append(json.dumps(obj))
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join([lines[0], '{"id": "cut", "completions": ["x', *lines[1:]]) + "\n")
+    commands = {
+        "replay": ("--methods", "none", "--batches", "8", "--schedules", "fixed", "--online", "off",
+                   "--repeats", "1", "--costs", STEP_COSTS, "--host-time", "none", "--out", tmp_path / "r"),
+        "stop-rules": ("--perms", "1", "--out", tmp_path / "s.json"),
+        "forecast": (),
+        "confidence": ("--perms", "1", "--out", tmp_path / "c"),
+    }
+    for command, args in commands.items():
+        out = evals(command, "--traces", str(path), *map(str, args))
+        assert out.returncode == 2, (command, out.stderr[-2000:])
+        assert f"{path}, line 2: not valid JSON" in out.stderr and "Traceback" not in out.stderr, command
+        out = evals(command, "--traces", str(path), *map(str, args), "--skip-bad-lines")
+        assert out.returncode == 0, (command, out.stderr[-2000:])
+        assert "bad.jsonl: skipped 1 line(s) not a JSON object: 2" in out.stderr, command

@@ -144,7 +144,7 @@ def test_forecast_needs_bayes_and_running_texts():
 
 
 def test_early_stop_flag_takes_a_forecast():
-    from evals.math.configs import UsageError, parse_early_stop
+    from evals.options import UsageError, parse_early_stop
 
     assert parse_early_stop(["on+forecast", "on"]) == [StopRule(forecast=True), StopRule()]
     assert parse_early_stop(["bayes:0.01+forecast"]) == [StopRule(error=0.01, forecast=True)]

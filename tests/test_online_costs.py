@@ -259,6 +259,17 @@ def test_guard_keeps_drafting_where_it_pays_and_checks_less_often():
     assert 1 - sum(late) / len(late) < 1 - sum(early) / len(early) < 0.25  # windows grow rarer
 
 
+def test_guard_spends_few_steps_on_windows_where_drafting_wins_by_far():
+    """A short run where drafting doubles throughput: two windows make the
+    verdict clear, and the checks then thin out at once (each window step
+    gives up about half a step), while a close call keeps the usual pace."""
+    rng = np.random.default_rng(7)
+    far = run_guard(DraftingGuard(), 128, 150, draft_rate=2000.0, plain_rate=1000.0, rng=rng)
+    close = run_guard(DraftingGuard(), 128, 150, draft_rate=1030.0, plain_rate=1000.0, rng=rng)
+    assert 1 - sum(far) / len(far) < 0.07  # two windows (8 steps); before: 16
+    assert 1 - sum(close) / len(close) >= 0.10
+
+
 def test_guard_learns_drafting_back_when_it_pays_again():
     guard = DraftingGuard()
     rng = np.random.default_rng(7)

@@ -73,9 +73,14 @@ def test_bad_trace_files_give_clear_errors_or_skips(tmp_path):
     ]
     mixed.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows))
     tokenizer = char_tokenizer(tmp_path / "chars.json")
-    out = run_evals(*replay_args(mixed, methods=("none",), extra=("--tokenizer", tokenizer, "--out", tmp_path / "r")))
+    args = replay_args(mixed, methods=("none",), extra=("--tokenizer", tokenizer, "--out", tmp_path / "r"))
+    out = run_evals(*args)  # a bad line is an error naming it ...
+    assert out.returncode == 2 and f"{mixed}, line 4: not valid JSON" in out.stderr and "Traceback" not in out.stderr
+    out = run_evals(*args, "--skip-bad-lines")  # ... unless skipped: then counted, as unusable entries are
     assert ok(out) and "Traceback" not in out.stderr
-    assert "fewer than 2" in out.stdout and "invalid JSON" in out.stdout
+    assert "mixed.jsonl: skipped 1 line(s) not a JSON object: 4" in out.stderr
+    assert "mixed.jsonl: skipped 1 entry: fewer than 2 non-empty completions" in out.stderr
+    assert "mixed.jsonl: skipped 1 entry: no prompt or completions" in out.stderr
     (r,) = read_json(tmp_path / "r.json")["results"]
     # only line 2 is replayed, its empty completion dropped: "a" and "b" (+ EOS), one token each after prefill
     assert r["problems"] == 1 and r["tokens"] == r["row_steps"] == 2
@@ -198,10 +203,13 @@ def test_bad_recorded_files_name_the_line(tmp_path):
     assert out.returncode == 2 and "line 2: 2 completion_ids but 1 completions" in out.stderr
     path.write_text(good[:40] + "\n" + good + "\n")
     out = replay(path)
-    assert out.returncode == 2 and "line 1: not valid JSON" in out.stderr
-    path.write_text(good + "\n" + good[:40])  # an interrupted write: the last line is dropped
+    assert out.returncode == 2 and f"{path}, line 1: not valid JSON" in out.stderr
+    path.write_text(good + "\n" + good[:40])  # an interrupted write: a bad line like any other
     out = replay(path)
-    assert any("line 2" in m and "truncated" in m for m in ok(out).splitlines())
+    assert out.returncode == 2 and f"{path}, line 2: not valid JSON" in out.stderr
+    out = run_evals(*replay_args(path, methods=("none",), extra=("--out", tmp_path / "r", "--skip-bad-lines")))
+    ok(out)
+    assert "t.jsonl: skipped 1 line(s) not a JSON object: 2" in out.stderr
     (r,) = read_json(tmp_path / "r.json")["results"]
     assert r["problems"] == 1 and r["tokens"] == 2  # [7, 2] and [8, 2]: one token each after prefill
     text = tmp_path / "text.jsonl"

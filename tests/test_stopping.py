@@ -232,7 +232,7 @@ def every_path(tmp_path_factory):
     pot = tmp / "tiny_pot_set.jsonl"  # *_pot_*: answers are folded from the program text
     pot.write_text(json.dumps({"id": "pot", "prompt": "Q", "completions": [*PROGRAMS, *NOT_FOLDED]}) + "\n")
     return stop_rules(tmp, "every_path", [tiny, votes, write_votes(tmp / "window.jsonl", WINDOW), rand, pot],
-                      "--waves", "1", "--perms", "3", "--seed", "0", "--per-problem")
+                      "--waves", "1", "--perms", "3", "--seed", "0", "--per-problem", "--skip-bad-lines")
 
 
 def test_evaluate_on_tiny_traces(every_path):
@@ -256,7 +256,7 @@ def test_decided_agrees_with_full_n_on_random_sets(every_path):
 
 def test_load_vote_traces(every_path):
     s = every_path["sets"]["votes"]
-    assert s["problems"] == 1  # "b" has one completion, the broken line is skipped
+    assert s["problems"] == 1  # "b" has one completion; the broken line is skipped (--skip-bad-lines)
     (t,) = s["per_problem"]
     assert t["id"] == "a" and t["ids"] == [0, 0, 1, None]
     assert t["answers"][3] is None

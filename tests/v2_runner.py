@@ -32,7 +32,7 @@ class Runner:
         from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
         from vllm.v1.worker.gpu.states import RequestState
 
-        from consensus_spec.vllm.device_route import speculator_class
+        from consensus_spec.vllm.device_speculator import speculator_class
 
         uva = buffer_utils.is_uva_available
         buffer_utils.is_uva_available = lambda: False

@@ -27,6 +27,7 @@ FIRST_PERIOD = 24     # steps between windows at first...
 MAX_PERIOD = 384      # ...growing to this while the verdict holds
 MARGIN = 0.03         # log-throughput advantage needed to switch (about 3%)
 MIN_WINDOWS = 3       # paired windows before any switch
+CLEAR = 4.0           # a verdict this many margins past it (beyond its error) is clear after 2
 MEMORY = 0.7          # weight of past windows in the running verdict
 CLIP = 0.7            # one window's log ratio counts at most this (2x): a stall is not a policy
 SIGMAS = 2.0          # the verdict must pass the margin by this many of its standard errors
@@ -46,7 +47,7 @@ _BUCKETS += [_bucket(n) for n in range(4097)]  # looked up every step
 
 class _Bucket:
     __slots__ = ("drafting", "period", "countdown", "left", "window", "before", "verdict",
-                 "scatter", "windows", "switches")
+                 "scatter", "worst", "windows", "switches")
 
     def __init__(self):
         self.drafting = True     # the policy most steps follow
@@ -57,6 +58,7 @@ class _Bucket:
         self.before = []         # (tokens, seconds) of the latest ordinary steps
         self.verdict = 0.0       # running log(throughput other / throughput ordinary)
         self.scatter = 0.0       # running mean square of windows' ratios about the verdict
+        self.worst = 0.0         # the highest window ratio since the last switch
         self.windows = 0
         self.switches = 0
 
@@ -116,6 +118,7 @@ class DraftingGuard:
             ratio = math.log((b.window[0] / b.window[1]) / ordinary)
             self.tokens_given_up += ordinary * b.window[1] - b.window[0]  # < 0: the window did better
             ratio = min(max(ratio, -CLIP), CLIP)
+            b.worst = ratio if b.windows == 0 else max(b.worst, ratio)
             if b.windows == 0:
                 b.verdict, b.scatter = ratio, 0.0
             else:
@@ -129,6 +132,11 @@ class DraftingGuard:
                 b.switches += 1
                 self.switches += 1
                 b.verdict, b.scatter, b.windows, b.period = 0.0, 0.0, 0, FIRST_PERIOD
+            elif b.drafting and b.windows >= 2 and max(b.worst, b.verdict + error) < -CLEAR * MARGIN:
+                # drafting wins by far more than the margin in every window: a plain
+                # window gives up about that much, and a short run would spend a
+                # tenth of its steps on windows before MIN_WINDOWS
+                b.period = min(4 * b.period, MAX_PERIOD)
             elif b.windows >= MIN_WINDOWS and b.verdict + error < -MARGIN:
                 b.period = min(2 * b.period, MAX_PERIOD)  # settled: check less often
             elif ratio > MARGIN:

@@ -51,7 +51,10 @@ def device_name(vllm_config) -> str:
     if named:
         return str(named)
     if getattr(device, "device_type", "cuda") == "cpu":
-        return _cpu_name()
+        # the same CPU runs other kernels under another ISA (AVX2 against AVX-512:
+        # a draft token cost several times more): their step costs are not shared
+        import torch
+        return f"{_cpu_name()} [{torch.backends.cpu.get_cpu_capability()}]"
     from vllm.platforms import current_platform
     return str(current_platform.get_device_name())
 

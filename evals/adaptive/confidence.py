@@ -28,38 +28,35 @@ drift up on the survivors.  Sets without logprobs are reported and left out.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 
 import numpy as np
 
 from consensus_spec.sampling.stopping import StopRule, should_stop_ids, tally
+from consensus_spec.voting.answers import extract_answer
 from consensus_spec.voting.confidence import (DEFAULT_WINDOW, RunningConfidence, confidence_weights,
                                               confident_paths, trace_confidence)
 
-from ..options import fail, write_results
+from ..options import add_skip_bad_arg, fail, write_results
+from ..traces import TraceError, TraceLines
 from .vote_traces import gold_classes, winner
 
 
-def load(path: str) -> list[dict]:
-    """Problems with per-path answers, class ids, gold correctness, logprobs."""
-    from consensus_spec.voting.answers import extract_answer
-
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            comps, lps = obj.get("completions"), obj.get("logprobs")
-            if not isinstance(comps, list) or not isinstance(lps, list) or len(lps) != len(comps) \
-                    or len(comps) < 2 or not all(isinstance(x, list) and x for x in lps):
-                continue
-            answers = obj.get("answers") or [extract_answer(c) for c in comps]
-            ids, correct = gold_classes(answers, obj.get("gold", obj.get("answer")))
-            out.append(dict(ids=ids, correct=correct, logprobs=lps, tokens=[len(x) for x in lps]))
+def load(path: str, skip_bad: bool = False) -> list[dict]:
+    """Problems with per-path answers, class ids, gold correctness, logprobs
+    (:class:`~evals.traces.TraceLines`: a bad line is an error unless ``skip_bad``)."""
+    lines, out = TraceLines(path, skip_bad), []
+    for _, obj in lines:
+        comps, lps = obj.get("completions"), obj.get("logprobs")
+        if not isinstance(comps, list) or not isinstance(lps, list) or len(lps) != len(comps) \
+                or len(comps) < 2 or not all(isinstance(x, list) and x for x in lps):
+            lines.skip("no logprobs for each of 2 or more completions")
+            continue
+        answers = obj.get("answers") or [extract_answer(c) for c in comps]
+        ids, correct = gold_classes(answers, obj.get("gold", obj.get("answer")))
+        out.append(dict(ids=ids, correct=correct, logprobs=lps, tokens=[len(x) for x in lps]))
+    lines.report()
     return out
 
 
@@ -143,14 +140,15 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", type=float, nargs="+", default=[0.1, 0.5, 0.9])
     ap.add_argument("--perms", type=int, default=5, help="path orders for the stop-rule runs")
     ap.add_argument("--out", default="results/confidence")
+    add_skip_bad_arg(ap)
     args = ap.parse_args(argv)
     if args.window < 1 or args.perms < 1 or not all(0 < k <= 1 for k in args.keep):
         ap.error("--window and --perms must be >= 1, --keep shares in (0, 1]")
     lines, rows = [], []
     for path in args.traces:
         try:
-            problems = load(path)
-        except OSError as e:
+            problems = load(path, args.skip_bad_lines)
+        except (OSError, TraceError) as e:
             return fail(e)
         name = path.rsplit("/", 1)[-1].removesuffix(".jsonl")
         if not problems:

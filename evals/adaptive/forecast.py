@@ -17,7 +17,6 @@ writes the JSON the package ships (``consensus_spec/sampling/forecast.json``).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 
@@ -31,36 +30,19 @@ from ..traces import load_tokenizer
 from .stop_rules import DEFAULT_TRACES
 from .vote_traces import answer_extractor, load_vote_traces, winner
 
-class PathTexts:
-    """A trace file's completion texts, cut at a number of tokens, by
-    problem id and path number in file order: at the tokenizer's offsets,
-    or, for lines recorded with their token ids (``evals record``: no
-    tokenizer here), at the same share of the text's characters."""
 
-    def __init__(self, path: str, tokenizer, limit: int | None = None):
-        self.tokenizer = tokenizer
-        self.extract = answer_extractor(path)  # partial texts are read as the vote reads whole ones
-        self.texts: dict[str, list[str]] = {}
-        self._offsets: dict[tuple[str, int], list[int]] = {}
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if limit is not None and len(self.texts) >= limit:
-                    break
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                comps = obj.get("completions") if isinstance(obj, dict) else None
-                comps = [c for c in comps or [] if isinstance(c, str) and c]  # as load_vote_traces
-                if len(comps) >= 2:
-                    pid = str(obj.get("id", f"line{lineno}"))
-                    self.texts[pid] = comps
-                    ids = obj.get("completion_ids")
-                    if isinstance(ids, list) and len(ids) == len(comps):
-                        for k, (text, recorded) in enumerate(zip(comps, ids)):
-                            count = max(len(recorded) if isinstance(recorded, list) else 1, 1)
-                            self._offsets[pid, k] = [round(len(text) * (i + 1) / count)
-                                                     for i in range(count)]
+class PathTexts:
+    """Vote traces' completion texts, cut at a number of tokens: at the
+    tokenizer's offsets, or, for lines recorded with their token ids
+    (``evals record``: no tokenizer here), at the same share of the text's
+    characters.  ``extract`` reads partial texts as the vote reads whole ones."""
+
+    def __init__(self, traces, tokenizer, extract):
+        self.tokenizer, self.extract = tokenizer, extract
+        self.texts: dict[str, list[str]] = {t.id: t.texts for t in traces}
+        self._offsets: dict[tuple[str, int], list[int]] = {
+            (t.id, k): [round(len(text) * (i + 1) / count) for i in range(count)]
+            for t in traces if t.recorded for k, (text, count) in enumerate(zip(t.texts, t.tokens))}
 
     def cut(self, pid: str, k: int, tokens: int) -> str:
         """Path ``k``'s text after its first ``tokens`` tokens."""
@@ -95,11 +77,10 @@ def path_checks(trace, texts: PathTexts, extract, bands) -> list[tuple[bool, lis
     return out
 
 
-def load_paths(path: str, tokenizer, limit: int | None, bands) -> list:
-    traces = load_vote_traces(path, tokenizer, limit=limit)
-    texts = PathTexts(path, tokenizer, limit)
-    extract = answer_extractor(path)
-    return [pc for t in traces for pc in path_checks(t, texts, extract, bands)]
+def load_paths(path: str, tokenizer, limit: int | None, bands, skip_bad: bool = False) -> list:
+    traces = load_vote_traces(path, tokenizer, limit=limit, skip_bad=skip_bad)
+    cut = PathTexts(traces, tokenizer, answer_extractor(path))
+    return [pc for t in traces for pc in path_checks(t, cut, cut.extract, bands)]
 
 
 def score(model: ForecastModel, paths: list, base: float) -> dict[int, tuple[int, float, float]]:
@@ -132,7 +113,7 @@ def main(argv=None) -> int:
     sets = {}
     try:
         for name, path in trace_sets(args.traces, DEFAULT_TRACES):
-            sets[name] = load_paths(path, tokenizer, args.limit, PROGRESS_BANDS)
+            sets[name] = load_paths(path, tokenizer, args.limit, PROGRESS_BANDS, args.skip_bad_lines)
             print(f"{name}: {len(sets[name])} paths", file=sys.stderr, flush=True)
     except (OSError, ValueError) as e:
         return fail(e)

@@ -253,7 +253,7 @@ def main(argv=None) -> int:
     bayes = [c for c in candidates if c.rule.kind == "bayes"]
     loaded, skipped = {}, {}
     for name, path in trace_sets(args.traces, DEFAULT_TRACES):
-        traces = load_vote_traces(path, tokenizer, args.limit)
+        traces = load_vote_traces(path, tokenizer, args.limit, args.skip_bad_lines)
         if not any(i is not None for t in traces for i in t.ids):
             skipped[name] = "no extractable answers"
             print(f"skipping {name}: no extractable answers")

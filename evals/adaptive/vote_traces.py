@@ -6,7 +6,6 @@ id, with its token count, for replaying stop rules (``stop-rules``,
 from __future__ import annotations
 
 import ast
-import json
 import operator
 import os
 from dataclasses import dataclass
@@ -15,6 +14,8 @@ from fractions import Fraction
 from consensus_spec.sampling.stopping import should_stop_ids, tally
 from consensus_spec.voting.answers import answers_equal, extract_answer
 from consensus_spec.voting.vote import cluster_answers
+
+from ..traces import TraceLines, completion_texts, trace_id
 
 MAX_PROGRAM_CHARS, MAX_MAGNITUDE = 4000, 10 ** 30
 _FOLD_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
@@ -30,6 +31,8 @@ class VoteTrace:
     tokens: list[int]
     correct: list[bool] | None = None  # per class id: equals the gold answer
     answers: list[str | None] | None = None  # the extracted answer per completion
+    texts: list[str] | None = None  # the completions
+    recorded: bool = False  # tokens counted from recorded ids (evals record), not by a tokenizer
 
     @property
     def share(self) -> float:
@@ -124,35 +127,48 @@ def gold_classes(answers: list, gold) -> tuple[list[int | None], list[bool] | No
     return ids, [answers_equal(reps[i], str(gold)) for i in range(len(reps))]
 
 
+def answer_classes(plain: dict) -> list[tuple[list, list[int], list[bool]]]:
+    """Per problem of a ``python -m evals math`` row run all at once: (class
+    ids in path order, tokens, per class: correct); cached on the row
+    (clustering calls math-verify)."""
+    cached = plain.get("_classes")
+    if cached is None:
+        cached = []
+        for p in plain["per_problem"]:
+            ids, correct = gold_classes(p["answers"], p["gold"])
+            cached.append((ids, p["sample_tokens"], correct or [False] * len(set(ids) - {None})))
+        plain["_classes"] = cached
+    return cached
+
+
 def answer_extractor(path: str):
     """The extractor for a trace file's texts: :func:`program_answer` for
     program-of-thought files (``*_pot_*``), else ``extract_answer``."""
     return program_answer if "_pot_" in os.path.basename(path) else extract_answer
 
 
-def load_vote_traces(path: str, tokenizer, limit: int | None = None) -> list[VoteTrace]:
-    """Answers by :func:`program_answer` in program-of-thought files
-    (``*_pot_*``), else by ``extract_answer``."""
+def load_vote_traces(path: str, tokenizer, limit: int | None = None, skip_bad: bool = False,
+                     log=None) -> list[VoteTrace]:
+    """The problems of a trace file with two or more completions, as votes
+    (:class:`~evals.traces.TraceLines`: a bad line is an error unless
+    ``skip_bad``).  Answers by :func:`program_answer` in program-of-thought
+    files (``*_pot_*``), else by ``extract_answer``."""
     extract = answer_extractor(path)
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if limit is not None and len(out) >= limit:
-                break
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # blank or broken line: nothing to replay
-            comps = obj.get("completions") if isinstance(obj, dict) else None
-            comps = [c for c in comps or [] if isinstance(c, str) and c]
-            if len(comps) < 2:
-                continue
-            answers = [extract(c) for c in comps]
-            ids, correct = gold_classes(answers, obj.get("answer"))
-            recorded = obj.get("completion_ids")  # python -m evals record: no tokenizer needed
-            if isinstance(recorded, list) and len(recorded) == len(comps):
-                tokens = [max(len(r), 1) for r in recorded]
-            else:
-                tokens = [len(e.ids) + 1 for e in tokenizer.encode_batch(comps)]  # + EOS
-            out.append(VoteTrace(str(obj.get("id", f"line{lineno}")), ids, tokens, correct, answers))
+    lines, out = TraceLines(path, skip_bad), []
+    for lineno, obj in lines:
+        if limit is not None and len(out) >= limit:
+            break
+        comps = completion_texts(obj)
+        if len(comps) < 2:
+            lines.skip("fewer than 2 non-empty completions")
+            continue
+        answers = [extract(c) for c in comps]
+        ids, correct = gold_classes(answers, obj.get("answer"))
+        ids_of = obj.get("completion_ids")  # python -m evals record: no tokenizer needed
+        recorded = isinstance(ids_of, list) and len(ids_of) == len(comps) \
+            and all(isinstance(r, list) for r in ids_of)
+        tokens = [max(len(r), 1) for r in ids_of] if recorded else \
+            [len(e.ids) + 1 for e in tokenizer.encode_batch(comps)]  # + EOS
+        out.append(VoteTrace(trace_id(obj, lineno), ids, tokens, correct, answers, comps, recorded))
+    lines.report(log)
     return out

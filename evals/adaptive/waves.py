@@ -29,50 +29,31 @@ import os
 import random
 import sys
 import time
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import replace
 
-from ..options import add_option_arg, add_trace_args, fail, parse_options, trace_sets, write_results
+from ..options import (UsageError, add_option_arg, add_trace_args, fail, parse_early_stop, parse_options,
+                       trace_sets, write_results)
 from ..replay.bench import CpuTimed, add_table_args, load_tables
 from ..replay.drafters import make_drafter
-from ..replay.engine import Queued, replay
+from ..replay.engine import replay
 from ..replay.projection import run_ms
 from ..traces import Problem, TraceError, load_problems, load_tokenizer, max_len
+from .admission import WaveAdmission, forecast_models, in_flight_admission
 from .forecast import PathTexts
-from .vote_traces import load_vote_traces, path_planner, winner
+from .vote_traces import answer_extractor, load_vote_traces, path_planner, winner
 
 DEFAULT_TRACES = ("gsm8k_qwen3_4b_n8.jsonl", "addsub_codex002_n40.jsonl")
 METHODS = ("none", "consensus")
 
 
-class WaveAdmission(Queued):
-    """Paths enter the replay as a PathPlanner releases them."""
-
-    def __init__(self, planner, class_ids: list[list[int | None]]):
-        super().__init__(planner.admit())
-        self.planner, self.class_ids = planner, class_ids
-
-    def finished(self, p: int, path: int) -> list[tuple[int, int]]:
-        """Paths to abort that are running (those still queued are dropped)."""
-        submit, abort = self.planner.on_finish(p, path, self.class_ids[p][path])
-        self.queue.extend(submit)
-        return self._running(abort)
-
-    def _running(self, abort: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        if not abort:
-            return []
-        queued = set(self.queue) & set(abort)
-        if queued:
-            self.queue = deque(x for x in self.queue if x not in queued)
-        return [x for x in abort if x not in queued]
-
-
-def paired_sets(path: str, tokenizer, limit: int | None):
+def paired_sets(path: str, tokenizer, limit: int | None, skip_bad: bool = False):
     """(problems, class ids per path, gold-correct per class or None, n): the
     problems of one trace file that have exactly the set's usual N
     completions (others are reported and left out)."""
-    problems = load_problems(path, tokenizer, limit=limit, log=lambda m: print(m, file=sys.stderr))
-    votes = {v.id: v for v in load_vote_traces(path, tokenizer, limit=limit)}
+    problems = load_problems(path, tokenizer, limit=limit, skip_bad=skip_bad)
+    quiet = lambda message: None  # noqa: E731  (the same lines: load_problems reported them)
+    votes = {v.id: v for v in load_vote_traces(path, tokenizer, limit, skip_bad, log=quiet)}
     counts = Counter(len(p.completions) for p in problems)
     n = max(counts, key=counts.get)
     kept = [p for p in problems if len(p.completions) == n and p.id in votes]
@@ -105,7 +86,6 @@ def run_one(problems, ids, correct, n, method, schedule, rule, args, options, fo
     drafter = CpuTimed(make_drafter(method, args.k, max_len(problems, args.k), args.rows, options))
     check = None
     if forecast is not None:
-        from .in_flight import in_flight_admission
         admission, check = in_flight_admission(planner, rule, problems, ids, *forecast, args.stride)
     else:
         admission = WaveAdmission(planner, ids)
@@ -151,8 +131,6 @@ def project(row: dict, costs, host) -> None:
 
 
 def parse_args(argv=None):
-    from ..math.configs import UsageError, parse_early_stop
-
     ap = argparse.ArgumentParser(prog="python -m evals waves", description=__doc__.split("\n\n")[0])
     add_trace_args(ap, "gsm8k and addsub")
     ap.add_argument("--rows", type=int, default=64, help="paths in flight at most (max_num_seqs)")
@@ -217,12 +195,11 @@ def run(args) -> tuple[list[dict], object]:
     model_for = None
     sets = trace_sets(args.traces, DEFAULT_TRACES)
     if wanted:
-        from .in_flight import forecast_models
         model_for = forecast_models(args, tokenizer, [name for name, _ in sets])
     for name, path in sets:
-        problems, votes, correct, n = paired_sets(path, tokenizer, args.limit)
+        problems, votes, correct, n = paired_sets(path, tokenizer, args.limit, args.skip_bad_lines)
         ids = [v.ids for v in votes]
-        texts = PathTexts(path, tokenizer, args.limit) if model_for else None
+        texts = PathTexts(votes, tokenizer, answer_extractor(path)) if model_for else None
         plain = configs(args)[0][0]  # load compiled code before anything is timed
         run_one(problems[:1], ids[:1], correct[:1], n, "consensus", plain, None, args, options)
         for order in range(args.orders):

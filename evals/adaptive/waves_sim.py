@@ -21,7 +21,8 @@ import json
 import random
 import sys
 
-from .vote_traces import path_planner, winner
+from ..options import parse_early_stop
+from .vote_traces import answer_classes, path_planner, winner
 
 
 def simulate(problems, schedule, rule, cost) -> dict:
@@ -61,8 +62,6 @@ def simulate(problems, schedule, rule, cost) -> dict:
 
 def load(path: str) -> dict[str, list]:
     """Per plain row of a math run: answer_classes (class ids, tokens, correct per class)."""
-    from ..math.report import answer_classes
-
     with open(path) as f:
         data = json.load(f)
     return {f"{row['method']} n={row['n']}": answer_classes(row) for row in data["results"]
@@ -72,8 +71,6 @@ def load(path: str) -> dict[str, list]:
 def main(argv=None) -> int:
     from consensus_spec.budget import COST_MODELS
     from consensus_spec.sampling.waves import Schedule
-
-    from ..math.configs import parse_early_stop
 
     ap = argparse.ArgumentParser(prog="python -m evals waves-sim", description=__doc__.split("\n\n")[0])
     ap.add_argument("results", help="JSON written by python -m evals math (with a plain row)")

@@ -1,10 +1,13 @@
-"""``python -m evals math`` settings: ``--early-stop`` rules, ``--waves``
-schedules, and the configurations they make."""
+"""``python -m evals math`` settings: ``--waves`` schedules and the
+configurations they make with ``--early-stop`` rules
+(:func:`evals.options.parse_early_stop`)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from ..options import UsageError
 
 # tokens per sample when --max-tokens is not given, by problem kind
 DEFAULT_MAX_TOKENS = {"synthetic": 256, "math": 1024}
@@ -16,62 +19,11 @@ def max_tokens(args, problems) -> int:
     return args.max_tokens or DEFAULT_MAX_TOKENS[kind]
 
 
-class UsageError(Exception):
-    """Bad command line: reported as one ``error:`` line, exit code 2."""
-
-
 class Parser(argparse.ArgumentParser):
     """``math`` and ``record`` parse with this: a bad argument is a UsageError."""
 
     def error(self, message):  # one line instead of usage + message
         raise UsageError(message)
-
-
-RULE_PARAMS = {"bayes": ("error", float), "sequential": ("error", float), "predictive": ("error", float),
-               "beta": ("error", float), "adaptive": ("error", float), "window": ("window", int),
-               "esc": ("window", int), "margin": ("margin", int)}
-
-
-def parse_early_stop(values: list[str] | None) -> list:
-    """``--early-stop`` values -> list of StopRule (None: off)."""
-    from consensus_spec.sampling.engine_loop import resolve_stop_rule
-    from consensus_spec.sampling.stopping import KINDS, StopRule
-
-    if values is None:
-        return [None]
-    if not values:  # bare flag
-        return [StopRule()]
-    out = []
-    for v in values:
-        text = v.strip().lower()
-        text, plus, flag = text.partition("+")
-        if plus and flag != "forecast":
-            raise UsageError(f"--early-stop: the one suffix is +forecast (bayes rules), got {v!r}")
-        kind, _, value = text.partition(":")
-        try:
-            if plus:  # the rule, then its forecast (errors below name the rule)
-                rule = parse_early_stop([text])[0]
-                if rule is None or rule.kind != "bayes":
-                    raise UsageError(f"--early-stop: +forecast goes with the bayes rule (on, bayes[:ERROR]), "
-                                     f"got {v!r}")
-                out.append(rule.with_overrides(forecast=True))
-            elif text in ("off", "none", "no", "false"):
-                out.append(None)
-            elif text in ("on", "true", "yes", "default"):
-                out.append(StopRule())
-            elif kind in KINDS and (not value or kind in RULE_PARAMS):
-                rule = StopRule(kind=kind)
-                if value:
-                    field, cast = RULE_PARAMS[kind]
-                    rule = rule.with_overrides(**{field: cast(value)})
-                out.append(rule)
-            else:
-                out.append(resolve_stop_rule(float(text)))  # a margin, as before
-        except ValueError as e:
-            raise UsageError(f"--early-stop expects off, on, decided, KIND[:VALUE] "
-                             f"(kinds {', '.join(KINDS)}) or a margin > 0, got {v!r}"
-                             + (f" ({e})" if "StopRule" in str(e) else ""))
-    return list(dict.fromkeys(out))
 
 
 def early_stop_label(rule) -> str:

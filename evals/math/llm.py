@@ -8,8 +8,7 @@ import argparse
 import os
 import re
 
-from ..options import parse_options
-from .configs import UsageError
+from ..options import UsageError, parse_options
 
 
 def add_run_args(ap: argparse.ArgumentParser) -> None:

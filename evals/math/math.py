@@ -29,10 +29,9 @@ import json
 import os
 import sys
 
-from ..options import add_option_arg, fail, write_json
+from ..options import UsageError, add_option_arg, fail, parse_early_stop, write_json
 from . import report
-from .configs import (Parser, UsageError, build_configs, early_stop_label, max_tokens, parse_early_stop,
-                      parse_waves)
+from .configs import Parser, build_configs, early_stop_label, max_tokens, parse_waves
 from .llm import add_run_args, check_dependencies, check_run_args, drafter_options, engine_env, load_run
 from .runs import run_all
 

@@ -30,8 +30,9 @@ import os
 import sys
 import time
 
-from ..options import add_option_arg, fail
-from .configs import Parser, UsageError, max_tokens
+from ..options import UsageError, add_option_arg, fail
+from ..traces import TraceError, TraceLines
+from .configs import Parser, max_tokens
 from .llm import (add_run_args, build_llm, check_dependencies, check_run_args, drafter_options, engine_env,
                   load_run, shutdown)
 
@@ -86,37 +87,42 @@ def versions() -> dict:
 
 
 def read_recorded(path: str, log=print) -> tuple[set[str], dict | None]:
-    """Ids already in ``path`` and the first line's meta.  A last line that
-    is not valid JSON (an interrupted write) is cut off with a message; a bad
-    line anywhere else is an error naming it."""
+    """Ids already in ``path`` and the first line's meta.  A last line
+    without its newline that is not valid JSON (an interrupted write) is cut
+    off with a message; then every line is read as any trace file is
+    (:class:`~evals.traces.TraceLines`: a bad line is an error naming it)."""
     if not os.path.exists(path):
         return set(), None
-    with open(path, "rb") as f:
-        lines = f.read().splitlines(keepends=True)
-    done, meta, offset = set(), None, 0
-    for lineno, raw in enumerate(lines, 1):
-        if raw.strip():
-            try:
-                obj = json.loads(raw)
-            except ValueError as e:
-                if lineno < len(lines):
-                    raise UsageError(f"{path}, line {lineno}: not valid JSON ({e}); "
-                                     "fix or remove the line, or record to another --out")
-                log(f"{path}: line {lineno} is truncated (an interrupted write): dropped, "
-                    "its problem is recorded again")
-                with open(path, "r+b") as f:
-                    f.truncate(offset)
-                break
-            if not isinstance(obj, dict) or "id" not in obj:
+    mend_tail(path, log)
+    done, meta = set(), None
+    try:
+        for lineno, obj in TraceLines(path):
+            if "id" not in obj:
                 raise UsageError(f"{path}, line {lineno}: not a trace object with an id")
             done.add(str(obj["id"]))
             meta = meta or obj.get("meta")
-        offset += len(raw)
-    else:
-        if lines and not lines[-1].endswith(b"\n"):
-            with open(path, "ab") as f:  # a complete last object without its newline
-                f.write(b"\n")
+    except TraceError as e:
+        raise UsageError(f"{e}; fix or remove the line, or record to another --out") from None
     return done, meta
+
+
+def mend_tail(path: str, log=print) -> None:
+    """End ``path`` on a newline: a last line cut short by an interrupted
+    write is dropped (its problem is recorded again), a whole one gets its
+    newline."""
+    with open(path, "r+b") as f:
+        data = f.read()
+        end = data.rfind(b"\n") + 1
+        if not data[end:].strip():
+            return
+        try:
+            json.loads(data[end:])
+            f.write(b"\n")  # at the end: read left the file there
+        except ValueError:
+            lineno = data.count(b"\n") + 1
+            log(f"{path}: line {lineno} is truncated (an interrupted write): dropped, its problem is "
+                "recorded again")
+            f.truncate(end)
 
 
 def check_resume(path: str, old: dict | None, new: dict) -> None:

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from ..adaptive.stop_rules import prefix_tallies, replay_order, wave_ends
+from ..adaptive.vote_traces import answer_classes
+from ..options import parse_early_stop
 from ..plots import load_pyplot, save_figure
 
 PLAIN = ("all", "off")
@@ -114,27 +117,11 @@ def score(run, problems) -> dict:
 # -- Replay of a stop rule on a plain run's samples
 
 
-def answer_classes(plain: dict) -> list[tuple[list, list[int], list[bool]]]:
-    """Per problem: (class ids in path order, tokens, per class: correct);
-    cached on the row (clustering calls math-verify)."""
-    cached = plain.get("_classes")
-    if cached is None:
-        from ..adaptive.vote_traces import gold_classes
-        cached = []
-        for p in plain["per_problem"]:
-            ids, correct = gold_classes(p["answers"], p["gold"])
-            cached.append((ids, p["sample_tokens"], correct or [False] * len(set(ids) - {None})))
-        plain["_classes"] = cached
-    return cached
-
-
 def replay(plain: dict, wave_sizes: list[int], rule, check: str = "index") -> dict:
     """Stop ``rule`` replayed on a plain run's samples in path order (a random
     order: all paths ran at once), checked after every path (``check``
     ``"index"`` or ``"path"``) or after the waves ``wave_sizes`` (``"wave"``).  Returns the share of tokens used,
     agreement with the plain run's own full-n vote, and maj accuracy."""
-    from ..adaptive.stop_rules import prefix_tallies, replay_order, wave_ends
-
     used_tok = full_tok = agree = correct = 0
     problems = answer_classes(plain)
     for ids, tokens, right in problems:
@@ -154,8 +141,6 @@ def tradeoff(rows: list[dict], rules: Iterable[str] = TRADEOFF_RULES) -> list[di
     """Replay ``rules`` x the waves (and checks) of this run (default waves if
     none) on every plain row: the tokens-vs-agreement curve."""
     from consensus_spec.sampling.waves import Schedule
-
-    from .configs import parse_early_stop
 
     waves = {(r["waves"], r.get("check", "wave")) for r in rows
              if not is_plain(r) and r["waves"] != "all"} or {("default", Schedule().check)}

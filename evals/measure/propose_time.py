@@ -243,7 +243,7 @@ def run(args) -> dict:
     tokenizer = load_tokenizer(args.tokenizer)
     results = []
     for name, path in trace_sets(args.traces, DEFAULT_TRACES):
-        problems = load_problems(path, tokenizer, limit=args.limit)
+        problems = load_problems(path, tokenizer, limit=args.limit, skip_bad=args.skip_bad_lines)
         gc.freeze()  # as vLLM's engine core after start-up: the traces are no garbage to scan
         for pkg in codes.values():  # compiled code loaded, caches warm
             run_one(pkg, problems[:1], max(args.rows), args, costs, False)

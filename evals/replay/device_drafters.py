@@ -179,7 +179,7 @@ class SpeculatorDrafter:
         from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
         from vllm.v1.worker.gpu.states import RequestState
 
-        from consensus_spec.vllm.device_route import speculator_class
+        from consensus_spec.vllm.device_speculator import speculator_class
 
         self.k_at, self.k = k_at, k
         torch.set_num_threads(1)  # "device" ops on a shared 2-core machine: threads only contend

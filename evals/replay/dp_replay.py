@@ -100,7 +100,7 @@ def run(args, log=print) -> list[dict]:
     options = parse_options(args.option)
     results = []
     for name, path in trace_sets(args.traces, DEFAULT_TRACES):
-        problems = load_problems(path, tokenizer, limit=args.limit)
+        problems = load_problems(path, tokenizer, limit=args.limit, skip_bad=args.skip_bad_lines)
         length = max_len(problems, args.k)
         for method in args.methods:
             for dp in args.dp:

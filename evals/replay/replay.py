@@ -29,7 +29,7 @@ from ..options import add_option_arg, add_trace_args, fail, trace_sets, write_re
 from ..traces import TraceError, load_problems, load_tokenizer
 from .bench import Bench, add_table_args, load_tables, pick_schedule
 from .drafters import DEVICE_METHODS, METHODS, SCHEDULABLE
-from .report import markdown, sweep_markdown, targets
+from .report import fixed_markdown, markdown, sweep_markdown, targets
 
 DEFAULT_TRACES = ("addsub_codex002_n40.jsonl", "gsm8k_qwen3_4b_n8.jsonl", "svamp_pot_codex002_n30.jsonl")
 PROJECTED_BATCHES = (16, 64, 128)
@@ -68,7 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--admission", choices=("refill", "fixed"), default="refill",
                     help="refill: a path enters as soon as a row is free (default); fixed: RL rollout "
                          "batches of --batches rows, admitted whole, run to the last token, no refill "
-                         "(evals/rollout/replay_fixed.py)")
+                         "(docs/rollouts.md)")
     ap.add_argument("--group", type=int, help="with --admission fixed: paths per problem (default: all)")
     ap.add_argument("--out", default="results/replay", help="output prefix (.json and .md)")
     ap.add_argument("--drafter-time-scale", type=float, default=1.0,
@@ -77,6 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--costs-slope-scale", type=float, default=1.0,
                     help="what-if truth: the --costs table with each step's cost above one token "
                          "per row times this (drives the replay's clock and the projection)")
+    ap.add_argument("--prior-scale", type=float, default=1.0,
+                    help="what-if prior: consensus starts from the H200 model with its compute "
+                         "cost per token times this (a prior this far off; the truth unchanged)")
     ap.add_argument("--online", choices=("on", "off"), default="on",
                     help="consensus learns its step costs from a clock that the --costs table "
                          "drives (the prior is its cost_model option); off: fixed cost model")
@@ -106,8 +109,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--limit must be >= 1")
     if args.tune_limit < 1 or args.repeats < 1:
         ap.error("--tune-limit and --repeats must be >= 1")
-    if args.drafter_time_scale < 0 or args.costs_slope_scale < 0:
-        ap.error("--drafter-time-scale and --costs-slope-scale must be >= 0")
+    if args.drafter_time_scale < 0 or args.costs_slope_scale < 0 or args.prior_scale <= 0:
+        ap.error("--drafter-time-scale and --costs-slope-scale must be >= 0, --prior-scale > 0")
     if args.admission == "fixed" and args.from_json:
         ap.error("--admission fixed replays: it has no --from-json")
     if args.group is not None and args.group < 1:
@@ -164,7 +167,7 @@ def run(args) -> tuple[list[dict], list[dict], dict]:
     bench = Bench(args, costs, host)
     results, sweeps, tuned = [], [], {}
     for name, path in trace_sets(args.traces, DEFAULT_TRACES):
-        problems = load_problems(path, tokenizer, limit=args.limit)
+        problems = load_problems(path, tokenizer, limit=args.limit, skip_bad=args.skip_bad_lines)
         tuned[name] = {}
         if args.schedules == "sweep" and costs is not None and args.schedule is None:
             tune = problems[:args.tune_limit]
@@ -183,9 +186,8 @@ def run(args) -> tuple[list[dict], list[dict], dict]:
                     schedule, params = ((pick["schedule"], pick["params"] or None) if pick
                                         else (args.schedule, None))
                     if args.admission == "fixed":
-                        from ..rollout.replay_fixed import run_fixed
-                        results.append(run_fixed(bench, problems, name, method, batch, args.group,
-                                                 schedule, params))
+                        results.append(bench.run_fixed(problems, name, method, batch, args.group,
+                                                       schedule, params))
                         continue
                     repeats = (args.repeats if method.startswith("consensus")
                                and batch in args.repeat_batches else 1)
@@ -213,7 +215,6 @@ def main(argv=None) -> int:
         return fail(f"{e}. The ngram/suffix baselines need vLLM (and arctic-inference for suffix); "
                     "install with `pip install -e .[cpu,bench]` or pass --methods consensus none.")
     if args.admission == "fixed":
-        from ..rollout.replay_fixed import markdown as fixed_markdown
         table, checks = fixed_markdown(results), []
     else:
         table, checks = markdown(results, tuned, host), targets(results)

@@ -165,3 +165,26 @@ def drafter_line(name: str, batch: int, runs: list[dict]) -> str:
         text += (f"; full-batch calls: median {fm:.2f}, p99 {fp:.2f}, "
                  f"{'met' if fm <= DRAFTER_US[batch] and fp <= 3 * fm else 'MISSED'}")
     return text + ")"
+
+
+def fixed_markdown(results: list[dict]) -> str:
+    """``--admission fixed``: one table per trace set, makespan and tail against no drafting."""
+    out = ["PROJECTED on the H200 step-cost table (replayed traces, drafter CPU time measured "
+           "here; prefill and host time left out): fixed rollout batches, all rows admitted at "
+           "once, no refill, run to the last token."]
+    for name, rows in dict.fromkeys((r["traces"], r["batch"]) for r in results):
+        rs = [r for r in results if (r["traces"], r["batch"]) == (name, rows)]
+        base = next((r for r in rs if r["method"] == "none"), None)
+        r0 = rs[0]
+        out += ["", f"**{name}**: {r0['batches']} batches of {r0['prompts_per_batch']} prompts x "
+                    f"{r0['group']} paths ({r0['batch']} rows)", "",
+                "| method | makespan s | × none | tail s (90→100% tokens) | × none | τ | τ draining | "
+                "drafts/row-step | drafter µs/row |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in rs:
+            x = base["makespan_ms"] / r["makespan_ms"] if base else None
+            xt = base["tail_ms"] / r["tail_ms"] if base and r["tail_ms"] else None
+            out.append(f"| {r['method']} | {r['makespan_ms'] / 1000:.2f} | "
+                       f"{'–' if x is None else f'{x:.2f}×'} | {r['tail_ms'] / 1000:.2f} | "
+                       f"{'–' if xt is None else f'{xt:.2f}×'} | {r['tau']:.2f} | "
+                       f"{r['tau_after_drain']:.2f} | {r['drafts_per_step']:.2f} | {r['cpu_us_per_row']:.1f} |")
+    return "\n".join(out)

@@ -17,7 +17,7 @@ import statistics
 import sys
 import time
 
-from ..options import add_option_arg, fail, parse_options, write_results
+from ..options import UsageError, add_option_arg, fail, parse_options, write_results
 
 METHODS = ("none", "consensus", "suffix", "ngram")
 
@@ -147,7 +147,6 @@ def main(argv=None) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # CPU time: the engine in this process
     if not args.verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from ..math.configs import UsageError
     from ..math.datasets import DatasetError, load_problems
     from ..math.llm import resolve_model
     from ..math.prompts import build_prompt

@@ -1,4 +1,4 @@
-"""``python -m evals device-route``: the device route's replay runs as
+"""``python -m evals device-report``: the device route's replay runs as
 markdown (each variant's tau and projected speedup; the table's size and
 refresh cost against the lag's budget), and with ``--host-bench`` the host
 part of the speculator timed per call on a trace file. The route and its
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
 
     from .projection import DEFAULT_COSTS, StepCosts
 
-    ap = argparse.ArgumentParser(prog="python -m evals device-route", description=table.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m evals device-report", description=table.__doc__)
     ap.add_argument("results", help="a .json from `python -m evals replay --methods ... device-lag1 ...`, "
                     "or with --host-bench a trace file")
     ap.add_argument("--costs", default=DEFAULT_COSTS)

@@ -1,17 +1,49 @@
-"""The waves replay's votes on running paths (``python -m evals waves
---forecast``): the admission that asks them, the models each set gets, and
-the oracle ceiling (``--forecast-model oracle:AT``)."""
+"""How paths enter the waves replay (``python -m evals waves``): as the
+engine's :class:`~consensus_spec.sampling.waves.PathPlanner` releases them
+(:class:`WaveAdmission`) and, with ``--forecast``, with votes on running
+paths too (:class:`InFlightAdmission`): the models each set gets, and the
+oracle ceiling (``--forecast-model oracle:AT``)."""
 
 from __future__ import annotations
 
+import json
 import os
+from collections import deque
 from dataclasses import dataclass
 
-from .waves import WaveAdmission
+from consensus_spec.sampling.forecast import PROGRESS_BANDS, ForecastModel, InFlightCheck, flip_with_running
+from consensus_spec.voting.answers import answers_equal
+
+from ..replay.engine import Queued
+from ..traces import shared_path
+from .forecast import DEFAULT_TRACES as FIT_SETS
+from .forecast import fit_others, load_paths
+
+
+class WaveAdmission(Queued):
+    """Paths enter the replay as a PathPlanner releases them."""
+
+    def __init__(self, planner, class_ids: list[list[int | None]]):
+        super().__init__(planner.admit())
+        self.planner, self.class_ids = planner, class_ids
+
+    def finished(self, p: int, path: int) -> list[tuple[int, int]]:
+        """Paths to abort that are running (those still queued are dropped)."""
+        submit, abort = self.planner.on_finish(p, path, self.class_ids[p][path])
+        self.queue.extend(submit)
+        return self._running(abort)
+
+    def _running(self, abort: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        if not abort:
+            return []
+        queued = set(self.queue) & set(abort)
+        if queued:
+            self.queue = deque(x for x in self.queue if x not in queued)
+        return [x for x in abort if x not in queued]
 
 
 class InFlightAdmission(WaveAdmission):
-    """A :class:`~evals.adaptive.waves.WaveAdmission` whose problems, every
+    """A :class:`WaveAdmission` whose problems, every
     ``stride`` steps, also take the vote that counts their running paths
     (:meth:`PathPlanner.on_progress` with ``in_flight``, an
     :class:`~consensus_spec.sampling.forecast.InFlightCheck`): ``answers``
@@ -47,8 +79,6 @@ def in_flight_admission(planner, rule, problems, ids, recorded, votes, texts, mo
     """An :class:`InFlightAdmission` voting on running paths' forecasts
     (``model``), cut from the trace file's ``texts``; with ``model`` an
     :class:`OracleAt`, on their own final answers."""
-    from consensus_spec.sampling.forecast import InFlightCheck
-
     answers = [[votes[p].answers[i] for i in recorded[p]] for p in range(len(problems))]
     lengths = [[len(c) for c in prob.completions] for prob in problems]
     if isinstance(model, OracleAt):
@@ -69,9 +99,6 @@ class OracleAt:
 def oracle_check(rule, at: float):
     """The in-flight vote with each running path's own final answer known
     once it is ``at`` of its length through (before: the vote's own chance)."""
-    from consensus_spec.sampling.forecast import InFlightCheck, flip_with_running
-    from consensus_spec.voting.answers import answers_equal
-
     class Oracle(InFlightCheck):  # no guard, no text: the ceiling of any forecast
         def __call__(self, answers, lengths, running, unstarted):
             if not running or all(a is None for a in answers):
@@ -93,20 +120,12 @@ def oracle_check(rule, at: float):
 def forecast_models(args, tokenizer, replayed: list[str]):
     """Set name -> forecast model (``--forecast-model``); ``others``: a
     shared set's model is fitted on the other shared sets, never on itself."""
-    import json as _json
-
-    from consensus_spec.sampling.forecast import PROGRESS_BANDS, ForecastModel
-
-    from ..traces import shared_path
-    from .forecast import DEFAULT_TRACES as FIT_SETS
-    from .forecast import fit_others, load_paths
-
     if args.forecast_model.startswith("oracle:"):
         oracle = OracleAt(float(args.forecast_model.split(":", 1)[1]))
         return lambda name: oracle
     if args.forecast_model not in ("others", "shipped"):
         with open(args.forecast_model) as f:
-            model = ForecastModel.from_json(_json.load(f))
+            model = ForecastModel.from_json(json.load(f))
         return lambda name: model
     names = {os.path.splitext(t)[0]: t for t in FIT_SETS}
     if args.forecast_model == "shipped" or not any(n in names for n in replayed):
