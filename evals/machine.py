@@ -1,28 +1,13 @@
 """What machine a timing came from, in figures another machine can be
 compared by: the time of a fixed pure-Python loop (every host-side figure
-here scales with it) and the instruction set numba compiled for."""
+here scales with it; :mod:`.measure.python_loop`) and the instruction set
+numba compiled for (``--isa``: :mod:`.isa`)."""
 
 from __future__ import annotations
 
 import os
-import statistics
-import time
 
-LOOP_N = 1_000_000
-
-
-def python_loop_ns(repeats: int = 5, n: int = LOOP_N) -> float:
-    """CPU ns per iteration of a fixed pure-Python loop (``total += i``),
-    the median of ``repeats`` runs: how fast this machine runs Python now
-    (about 25 on this project's shared 2-core AMD EPYC)."""
-    times = []
-    for _ in range(repeats):
-        t0 = time.process_time()
-        total = 0
-        for i in range(n):
-            total += i
-        times.append(time.process_time() - t0)
-    return statistics.median(times) * 1e9 / n
+from .measure.python_loop import python_loop_ns  # noqa: F401  (the one yardstick)
 
 
 def describe() -> str:
@@ -41,5 +26,6 @@ def describe() -> str:
 def loop_line(before: float, after: float | None = None) -> str:
     """The figures' Python-loop time as a sentence for a report."""
     span = f"{before:.1f}" + (f" / {after:.1f}" if after is not None else "")
-    return (f"Machine: {describe()}; a fixed pure-Python loop took {span} ns an iteration "
-            "(CPU time, median of 5" + (", before / after" if after is not None else "") + ").")
+    return (f"Machine: {describe()}; the Python loop (evals/measure/python_loop.py) took {span} "
+            "ns an iteration (CPU time, median of 5" + (", before / after" if after is not None else "")
+            + ").")
