@@ -1,12 +1,14 @@
 """The consensus proposer's drafts on recorded fixtures, one digest per
 propose() call: what ``tests/test_drafts_unchanged.py`` holds the current
 code to. Recorded with earlier code, imported beside this one from git
-(``evals/measure/previous.py``): ``CONFIGS`` with the code before issue 43
-(the per-step host time work), ``LONG_PROMPT_CONFIGS`` (the workloads of
-issue 50: long prompts with short answers, n=64) with the code before
-issue 50:
+(``evals/measure/previous.py``): ``CONFIGS`` with main before issue 50
+merged (2df8630: the code before issue 43, the per-step host time work,
+drafted the same but for the guard's change of ab012eb, which alters the
+two budget configurations from call 77), ``LONG_PROMPT_CONFIGS`` (the
+workloads of issue 50: long prompts with short answers, n=64) with the
+code before issue 50 (2df8630 drafts the same there):
 
-    python -m tests.draft_fixture --previous 287c905 --out tests/fixtures/drafts_287c905.json
+    python -m tests.draft_fixture --previous 2df8630 --out tests/fixtures/drafts_2df8630.json
     python -m tests.draft_fixture --previous 440a09e --configs long_prompts \
         --out tests/fixtures/drafts_440a09e.json
 

@@ -15,7 +15,7 @@ import consensus_spec
 from consensus_spec import ConsensusDrafter, DrafterOptions
 from tests import draft_fixture
 
-RECORDED = {"drafts_287c905.json": draft_fixture.CONFIGS,
+RECORDED = {"drafts_2df8630.json": draft_fixture.CONFIGS,
             "drafts_440a09e.json": draft_fixture.LONG_PROMPT_CONFIGS}
 
 
