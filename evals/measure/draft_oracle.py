@@ -52,7 +52,9 @@ def run_setting(method: str, k: int, options: dict, args, problems, tokens: int)
     return {"wall_s": row["wall_time_s"], "cpu_s": row["cpu_time_s"], "tokens": row["tokens"],
             "drafted": row["drafted_tokens"], "accepted": row["accepted_tokens"],
             "maj_at_n": row["maj_at_n"], "guard": proposer.get("guard"),
-            "learning_cost": proposer.get("learning_cost")}
+            "learning_cost": proposer.get("learning_cost"), "steps_timed": proposer.get("steps_timed"),
+            "steps_unattributed": proposer.get("steps_unattributed"),
+            "step_costs_by_rows": proposer.get("step_costs_by_rows")}
 
 
 def summarise(runs: list[dict], labels: list[str]) -> dict:
