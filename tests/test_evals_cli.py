@@ -21,7 +21,8 @@ EVALS = os.path.join(ROOT, "evals")
 COMMANDS = ("replay", "dp-replay", "device-report", "faults", "stream", "stop-rules", "waves", "waves-sim", "forecast",
             "confidence",
             "math", "record", "serve-sc", "serve-sc-lm-eval", "rollout", "step-costs", "host-time",
-            "propose-time", "warmup", "fetch-model", "check-vllm", "gpu-check")
+            "propose-time", "warmup", "fetch-model", "check-vllm", "gpu-check", "gpu-step-costs",
+            "draft-oracle")
 
 
 def evals(*args, timeout=120):

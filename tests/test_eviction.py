@@ -17,7 +17,7 @@ def options(**kw):
 
 
 def half_of(d, group):
-    return int(d.forest.half_of([group.root])[0])
+    return int(d.forest.half_of([d.group_root(group)])[0])
 
 
 def feed_until_rotation(d, path, start=10_000, chunk=50):
@@ -33,18 +33,18 @@ def test_rotation_drops_only_the_old_half_idle_groups_first():
     d = ConsensusDrafter(options())
     arrays = d.forest._nodes, d.arena_bytes
     a = d.add_path([1])
-    ga = d._path_group[a]
+    ga = d.group_of(a)
     d.extend([a], [list(range(100, 200))])
     d.release(a)                                   # idle, in half 0
     b = d.add_path([2])
-    gb = d._path_group[b]
+    gb = d.group_of(b)
     assert half_of(d, ga) == half_of(d, gb) == 0 and d.forest.young == 0
     feed_until_rotation(d, b)                      # half 0 past ROTATE_AT: half 1 becomes young
     assert d.forest.young == 1 and d.nodes_evicted == 0 and d.groups_evicted == 0
-    assert ga.root >= 0 and gb.root >= 0          # the dropped half was empty
+    assert d.group_root(ga) >= 0 and d.group_root(gb) >= 0          # the dropped half was empty
     assert d.forest.fill(0) > ROTATE_AT               # why it rotated
     c = d.add_path([3])
-    gc = d._path_group[c]
+    gc = d.group_of(c)
     assert half_of(d, gc) == 1                     # new tries start in the young half
     nodes0 = d.forest.num_nodes(0)
     d.extend([b], [[7, 8, 9]])                     # b keeps appending to its own (old) half
@@ -52,11 +52,11 @@ def test_rotation_drops_only_the_old_half_idle_groups_first():
     d.release(b)
     held = d.forest.num_nodes(0)
     feed_until_rotation(d, c, start=50_000)        # half 1 full: half 0 is dropped whole
-    assert d.forest.young == 0 and ga.root == gb.root == -1 and gc.root >= 0
+    assert d.forest.young == 0 and d.group_root(ga) == d.group_root(gb) == -1 and d.group_root(gc) >= 0
     assert d.groups_evicted == 2 and d.live_groups_evicted == 0 and d.nodes_evicted == held > 500
     assert d.forest._nodes is arrays[0] and d.arena_bytes == arrays[1]  # nothing grew or moved
     a2 = d.add_path([1])                           # a's prompt again: rebuilt, in the young half
-    assert d._path_group[a2] is ga and half_of(d, ga) == 0
+    assert d.group_of(a2) == ga and half_of(d, ga) == 0
 
 
 def test_a_live_group_in_a_dropped_half_restarts_at_its_root_without_false_ngrams():
@@ -65,21 +65,21 @@ def test_a_live_group_in_a_dropped_half_restarts_at_its_root_without_false_ngram
     d = ConsensusDrafter(options(prompt_tokens=4, cross_group_weight=0.5))
     prompt = [100, 101, 102, 103]
     a = d.add_path(prompt)
-    group = d._path_group[a]
+    group = d.group_of(a)
     d.extend([a], [list(range(200, 260))])
     other = d.add_path([5, 6])
     tok = feed_until_rotation(d, other)            # half 0 retires (a, other and the cross trie in it)
     d.release(other)
     other2 = d.add_path([5, 7])
     feed_until_rotation(d, other2, start=tok)      # half 1 full: half 0 dropped, a still live
-    assert d.live_groups_evicted == 1 and group.root == -1
+    assert d.live_groups_evicted == 1 and d.group_root(group) == -1
     assert d._cursor[a, 0] == UNSET and d._cursor[a, 1] == UNSET
     d.extend([a], [[7, 9]])                        # rebuilt; a re-attached at its root
-    f, root = d.forest, group.root
+    f, root = d.forest, d.group_root(group)
     assert f.child(f.child(root, 102), 103) >= 0   # the prompt tail is back
     assert f.child(f.child(root, 103), 7) == -1    # (103, 7) never occurred
     assert f.child(f.child(root, 7), 9) >= 0       # (7, 9) did
-    assert d.forest.root(int(d._cursor[a, 1])) == d._cross_root  # a new cross-group trie
+    assert d.forest.root(int(d._cursor[a, 1])) == d.cross_root  # a new cross-group trie
     b = d.add_path(prompt)                         # a new path does continue the prompt
     d.extend([b], [[7]])
     assert f.child(f.child(root, 103), 7) >= 0
@@ -96,7 +96,7 @@ def test_an_old_half_filled_by_its_live_paths_is_dropped_early():
         assert d.forest.fill(0) <= OLD_FULL_AT + 0.05 or d.evictions == 2
     assert d.live_groups_evicted == 1 and d.forest.young == 0
     d.extend([a], [[1, 2]])                        # drafting goes on from a rebuilt trie
-    assert d._path_group[a].root >= 0 and d.draft([a], [2])[2].shape == (1,)
+    assert d.group_root(d.group_of(a)) >= 0 and d.draft([a], [2])[2].shape == (1,)
 
 
 def test_rotation_changes_no_draft_of_a_live_group():

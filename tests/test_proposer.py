@@ -170,7 +170,7 @@ def test_a_failed_step_regroups_rows_in_flight_with_their_siblings():
 
     def fail_once(step, args):
         if step == 3:
-            groups.update({r: faulty.drafter._path_group[int(faulty.rows._path[r])]
+            groups.update({r: faulty.drafter.group_of(int(faulty.rows._path[r]))
                            for r in range(4)})
             real = faulty.drafter.extend_and_draft
 
@@ -183,7 +183,7 @@ def test_a_failed_step_regroups_rows_in_flight_with_their_siblings():
     b = two_groups(faulty, fail_once)
     assert faulty.num_failures == 1 and faulty.num_regroups == 1 and not faulty.disabled
     assert b[3] == [[], [], [], []]
-    assert {r: faulty.drafter._path_group[int(faulty.rows._path[r])] for r in range(4)} == groups
+    assert {r: faulty.drafter.group_of(int(faulty.rows._path[r])) for r in range(4)} == groups
     assert faulty.rows.paths_started == 4 and faulty.drafter.num_groups == 2
     assert [len(d) > 0 for d in b[4]] == [len(d) > 0 for d in a[4]]
     assert b[5] == a[5]  # the tries hold the same n-grams again

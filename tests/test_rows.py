@@ -126,7 +126,7 @@ def test_moved_row_is_not_taken_for_another_prompts_path_of_equal_length_and_tai
     out = b.step([[7], [9]], check=False)
     assert out[1][0] == c, "the moved row continued the finished path of another prompt"
     assert b.tracker.paths_moved == 1 and b.tracker.paths_started == 3
-    assert b.tracker._parked == {(8, reference_hash([70, 71, 72, 73, 5, 6, 7, 8])): [a]}
+    assert b.tracker.parked() == {(8, reference_hash([70, 71, 72, 73, 5, 6, 7, 8])): [a]}
 
 
 def test_moved_row_after_missed_steps_is_not_taken_for_another_prompts_path():
@@ -387,13 +387,11 @@ class Released(Batch):
     def check_bounds(self):
         t = self.tracker
         held = set(t._path.tolist()) - {-1}
-        parked = [p for paths in t._parked.values() for p in paths]
+        by_key = t.parked()
+        parked = [p for paths in by_key.values() for p in paths]
         assert t.num_parked == len(parked) <= t._max_parked
-        assert all(len(paths) <= t._max_per_key for paths in t._parked.values())
-        assert t.num_parked_keys == len(t._parked)
-        # the length index has an entry per parked key, no more
-        assert sorted(t._parked_lengths) == t._lengths_sorted
-        assert sum(t._parked_lengths.values()) == len(t._parked)
+        assert all(1 <= len(paths) <= t._max_per_key for paths in by_key.values())
+        assert t.num_parked_keys == len(by_key)
         # each path is held by a row, parked, or released, exactly one of them, once
         assert len(self.released) == len(set(self.released)) == t.paths_released
         assert not (set(self.released) & (held | set(parked))) and not held & set(parked)
@@ -428,8 +426,8 @@ def test_parked_paths_are_capped_in_all_least_recently_parked_first():
         b.check_bounds()
         assert b.tracker.num_parked == min(2 * (request + 1), 5)
     # the parked are the newest: the last two prompts' two copies, one of the third last
-    assert list(b.tracker._parked) == keys[-3:]
-    assert [len(p) for p in b.tracker._parked.values()] == [1, 2, 2]
+    assert list(b.tracker.parked()) == keys[-3:]
+    assert [len(p) for p in b.tracker.parked().values()] == [1, 2, 2]
     assert b.tracker.paths_released == 4 * 12 - 5
 
 

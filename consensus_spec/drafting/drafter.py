@@ -18,12 +18,16 @@ Tries in the dropped half are rebuilt from their prompt tail when next used.
 
 The bound on each structure:
 
-- per-path arrays (group, cursors): the most paths live at once, rounded up
-  to a power of two. Released ids are reused, so this is the caller's
-  bound: a path never released keeps its slot and its group live (the
-  proposer's row tracker holds at most the batch plus its parked paths);
+- per-path arrays (group, cursors: 24 B a path): the most paths live at
+  once, rounded up to a power of two. Released ids are reused, so this is
+  the caller's bound: a path never released keeps its slot and its group
+  live (the proposer's row tracker holds at most the batch plus its parked
+  paths);
 - remembered groups: ``max_group_tokens`` prompt tokens (LRU); a forgotten
-  group lives on while it has live paths or its trie is in the arena;
+  group lives on while it has live paths or its trie is in the arena. Each
+  group is a row of arrays (:mod:`.path_kernels`: 72 B, two table slots) and
+  its prompt tail (4 B a token), rows grown by doubling to the most groups
+  held at once;
 - the arena: ``max_trie_nodes`` nodes (28 B each) and three edge tables
   (one per half and a spare; 16 B a slot, at least half as many slots
   as a half has nodes, each): about 40 B a node, allocated once and
@@ -37,12 +41,13 @@ The bound on each structure:
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from itertools import chain
 from dataclasses import dataclass, fields
 
 import numpy as np
 
+from . import path_kernels as R
+from .paths import OLD_FULL_AT, ROTATE_AT, PathRegistry  # noqa: F401  (their home is paths)
 from .forest import UNSET, ForestFull, SuffixForest
 
 
@@ -79,44 +84,18 @@ class DrafterOptions:
         return cls(**options)
 
 
-# The young half is retired (the old one dropped) once this full, so the
-# retiring half keeps a quarter for its live paths' appends.
-ROTATE_AT = 0.75
-# The old half is dropped early, live groups and all, once this full.
-OLD_FULL_AT = 0.95
-
-
-class Group:
-    __slots__ = ("prompt_tail", "prompt_len", "size", "root", "start", "live")
-
-    def __init__(self, prompt_tail: np.ndarray, prompt_len: int):
-        self.prompt_tail = prompt_tail
-        self.prompt_len = prompt_len
-        self.size = prompt_len + len(prompt_tail)  # tokens held (key and tail), for the LRU
-        self.root = self.start = -1  # its trie's root and prompt-tail node; -1: no trie
-        self.live = 0  # paths added and not released
-
-
-def prompt_key(prompt) -> bytes:
-    return np.asarray(prompt, dtype=np.int64).tobytes()
-
-
-class ConsensusDrafter:
+class ConsensusDrafter(PathRegistry):
     """Paths are integer ids; their trie positions are rows of one cursor
     array, so a step touches no per-path Python object. A cursor is
     ``UNSET`` until the path is attached to the current tries, and again
-    after the trie it points into is evicted or restarted."""
+    after the trie it points into is evicted or restarted. Paths and groups
+    are registered in arrays (:class:`~.paths.PathRegistry`)."""
 
     def __init__(self, options: DrafterOptions | None = None):
         self.options = options or DrafterOptions()
-        self._groups: OrderedDict[bytes, Group] = OrderedDict()
-        self._group_tokens = 0
-        self._path_group: list[Group | None] = []
-        self._free: list[int] = []
-        self._cursor = np.zeros((0, 2), np.int64)  # path -> (node in group trie, in cross trie)
-        self._live_groups = 0  # groups with unreleased paths
         self.forest = SuffixForest(self.options.max_depth, self.options.max_trie_nodes)
-        self._owners: dict[int, Group | None] = {}  # root -> its group (None: a cross-group trie)
+        super().__init__()
+        self._cross_roots: list[int] = []  # cross-group tries in the arena (the last is current)
         self._new_cross()
         self.evictions = 0       # halves dropped (rotations)
         self.groups_evicted = 0  # group tries dropped (forgotten ones included)
@@ -124,36 +103,11 @@ class ConsensusDrafter:
         self.nodes_evicted = 0
 
     @property
-    def num_groups(self) -> int:
-        return len(self._groups)
-
-    @property
-    def group_tokens(self) -> int:
-        """Tokens the remembered groups hold (at most ``max_group_tokens``,
-        or one group's alone)."""
-        return self._group_tokens
-
-    @property
-    def num_paths(self) -> int:
-        """Paths added and not released."""
-        return len(self._path_group) - len(self._free)
-
-    @property
-    def num_live_groups(self) -> int:
-        """Groups with paths added and not released (remembered or not)."""
-        return self._live_groups
-
-    @property
-    def path_slots(self) -> int:
-        """Rows of the per-path arrays: the most paths ever live at once,
-        rounded up to a power of two, at least 64 (released ids are reused)."""
-        return len(self._path_group)
-
-    @property
     def num_tries(self) -> int:
         """Tries in the arena: groups' (until evicted) and cross-group ones
         (a restarted one stays, as garbage, until its half is dropped)."""
-        return len(self._owners)
+        held = (self._groups[:, R.STATE] != R.FREE_ROW) & (self._groups[:, R.ROOT] >= 0)
+        return int(np.count_nonzero(held)) + len(self._cross_roots)
 
     @property
     def arena_bytes(self) -> int:
@@ -170,13 +124,6 @@ class ConsensusDrafter:
         """Root of the cross-group trie paths draft from (-1: none)."""
         return self._cross_start()
 
-    def path_group(self, path: int) -> Group | None:
-        return self._path_group[path] if 0 <= path < len(self._path_group) else None
-
-    def group_of_root(self, root: int) -> Group | None:
-        """The group whose trie is rooted at ``root`` (None: none, or the cross-group trie)."""
-        return self._owners.get(root)
-
     def cursors(self, paths) -> np.ndarray:
         """(R, 2) copy of the paths' (group trie, cross trie) nodes; ``UNSET``
         where not attached."""
@@ -187,50 +134,10 @@ class ConsensusDrafter:
         attached to the current tries (an evicted group trie is rebuilt), as
         drafting would; without, -1 marks a group with no trie."""
         paths = self._attached(paths) if attach else np.asarray(paths, np.int64).reshape(-1)
-        return np.array([self._path_group[p].root for p in paths.tolist()], np.int64)
-
-    def add_path(self, prompt) -> int:
-        """Register a new path continuing ``prompt`` (token ids); returns its id."""
-        key = prompt_key(prompt)
-        group = self._groups.get(key)
-        if group is None:
-            n = self.options.prompt_tokens
-            # an array, not a list: freeing hundreds of groups' tails as Python
-            # ints took ~3 ms of a rotation
-            tail = np.array(prompt[len(prompt) - n:] if n else prompt[:0], np.int32)
-            group = Group(tail, len(prompt))
-            self._groups[key] = group
-            self._group_tokens += group.size
-            while self._group_tokens > self.options.max_group_tokens and len(self._groups) > 1:
-                _, old = self._groups.popitem(last=False)
-                self._group_tokens -= old.size  # its trie is garbage once its paths finish
-        else:
-            self._groups.move_to_end(key)
-        if not self._free:
-            self._grow()
-        path = self._free.pop()
-        self._path_group[path] = group
-        self._use(group, +1)
-        self._make_room(tidy=False)  # once a step is enough: the extend call does it
-        self._build(group)
-        # a new path really continues the prompt: it starts after the prompt tail
-        cursor = self._cursor
-        cursor[path, 0] = group.start
-        cursor[path, 1] = self._cross_start()
-        return path
-
-    def release(self, path: int) -> None:
-        """Forget a finished path; its id may be reused."""
-        if not 0 <= path < len(self._path_group) or self._path_group[path] is None:
-            raise ValueError(f"no such path: {path}")
-        self._use(self._path_group[path], -1)
-        self._path_group[path] = None
-        self._cursor[path] = UNSET
-        self._free.append(path)
-
-    def _use(self, group: Group, paths: int) -> None:
-        self._live_groups += (group.live + paths > 0) - (group.live > 0)
-        group.live += paths
+        groups = self._path_group[paths]
+        if (groups < 0).any():
+            raise ValueError("a path was released")
+        return self._groups[groups, R.ROOT].copy()
 
     def extend(self, paths, tokens: list[list[int]]) -> None:
         """Record the output tokens each path generated (one call per step)."""
@@ -270,21 +177,52 @@ class ConsensusDrafter:
                                       max_tokens, k, o.min_prob, o.min_match, o.prior)
 
     def extend_and_draft(self, paths, buffer, rows, begins, ends, max_tokens, min_prob=None):
-        """:meth:`extend_from` then :meth:`draft`, in one compiled call;
-        ``min_prob`` raises the options' one for this call. The arrays
-        returned are the forest's buffers: valid until the next call."""
-        o = self.options
-        self._make_room()
+        """:meth:`extend_from` then :meth:`draft`, in one compiled call (every
+        path's tokens go in before any path drafts); ``min_prob`` raises the
+        options' one for this call. The arrays returned are the forest's
+        buffers: valid until the next call."""
+        o, f = self.options, self.forest
+        paths, rows, begins, ends, max_tokens = (
+            a if type(a) is np.ndarray and a.dtype == np.int64 else np.asarray(a, np.int64)
+            for a in (paths, rows, begins, ends, max_tokens))
+        m = len(paths)
+        if not m == len(rows) == len(begins) == len(ends) == len(max_tokens) or paths.ndim != 1:
+            raise ValueError("paths, rows, begins, ends and max_tokens must have equal length")
+        buffer = buffer if type(buffer) is np.ndarray and buffer.ndim == 2 else np.asarray(buffer)
+        if buffer.ndim != 2 or buffer.dtype.kind not in "iu":
+            raise ValueError("token buffer must be a 2-D integer array")
         floor = o.min_prob if min_prob is None else max(o.min_prob, min_prob)
-        args = (buffer, rows, begins, ends, max_tokens,
-                o.cross_group_weight, floor, o.min_match, o.prior)
-
-        def extend_and_draft():
-            out = self.forest.extend_and_draft(self._cursor, paths, *args)
-            if out is None:  # some cursor is unset: attach, then go again
-                out = self.forest.extend_and_draft(self._cursor, self._attached(paths), *args)
-            return out
-        return self._retrying(extend_and_draft)
+        check_room = not f.tidy_pending
+        if not check_room:
+            self._make_room()
+        if m > len(f._lens):
+            f._grow_drafts(m, len(f._toks) // len(f._lens))
+        full = 0
+        while True:
+            t0, t1 = f._tables
+            err, k = R.extend_and_draft(
+                f._nodes, t0, t1, f._shift, f.half, f._state, f.meta, f.max_depth, f.young,
+                f._slots, self._cursor, self._path_group, self._groups, self._reg, paths, buffer,
+                rows, begins, ends, max_tokens, o.cross_group_weight, floor, o.min_match, o.prior,
+                self._cross_start(), check_room, ROTATE_AT, OLD_FULL_AT, o.cross_group_tokens,
+                f._starts, f._memo, f._toks, f._probs, f._lens)
+            if not err:
+                return (f._toks[:m * k].reshape(m, k), f._probs[:m * k].reshape(m, k), f._lens[:m])
+            if err == R.ROOM:  # rotate or restart the cross-group trie, then go on
+                self._make_room()
+                check_room = False
+            elif err == R.UNATTACHED:  # an evicted group trie to rebuild first
+                self._attached(paths)
+            elif err == R.SMALL:
+                f._grow_drafts(m, k)
+            elif err == R.FULL:
+                full += 1
+                if full == 3:
+                    raise ValueError("one call appends more than half of max_trie_nodes can hold")
+                self._rotate()
+            else:
+                f.raise_for(err)
+                raise ValueError("unknown path id")
 
     def _retrying(self, call, what: str = "one call appends"):
         """``call()``; when a half of the arena is full (a call bigger than
@@ -306,7 +244,7 @@ class ConsensusDrafter:
             f.tidy(young_half_full=bool(room & 2))
         if room & 1:
             self._rotate()
-        elif f.tokens_appended - self._cross_since > self.options.cross_group_tokens:
+        elif f.tokens_appended - self._reg[R.CROSS_SINCE] > self.options.cross_group_tokens:
             self._new_cross()  # the old trie stays, as garbage, until its half is dropped
 
     def _rotate(self) -> None:
@@ -315,18 +253,16 @@ class ConsensusDrafter:
         half's worth of appends ago: garbage and idle groups, as a rule; a
         group still live in it (a very long generation) loses its trie, and
         its paths re-attach at the root of a new one (see _attach).
-        O(tries + paths) in Python, no pass over the nodes."""
+        O(groups + paths), no pass over the nodes."""
         f = self.forest
         dropped = f.old
         self.nodes_evicted += f.num_nodes(dropped)
         f.rotate()
         lo, hi = dropped * f.half, (dropped + 1) * f.half
-        for root in [r for r in self._owners if lo <= r < hi]:
-            group = self._owners.pop(root)
-            if group is not None:
-                group.root = group.start = -1
-                self.groups_evicted += 1
-                self.live_groups_evicted += group.live > 0
+        tries, live = R.drop_tries(self._groups, self._reg, self._gfree, lo, hi)
+        self.groups_evicted += tries
+        self.live_groups_evicted += live
+        self._cross_roots = [r for r in self._cross_roots if not lo <= r < hi]
         cursor = self._cursor
         cursor[(cursor >= lo) & (cursor < hi)] = UNSET
         self.evictions += 1
@@ -339,10 +275,8 @@ class ConsensusDrafter:
         groups: after a failure that may have left the tries inconsistent,
         siblings still in flight share a group again from the next call."""
         self.forest = SuffixForest(self.options.max_depth, self.options.max_trie_nodes)
-        for group in self._owners.values():
-            if group is not None:
-                group.root = group.start = -1
-        self._owners = {}
+        R.drop_tries(self._groups, self._reg, self._gfree, -1, 1 << 62)
+        self._cross_roots = []
         self._cursor[:] = UNSET
         self._new_cross()
 
@@ -356,12 +290,11 @@ class ConsensusDrafter:
         for the next 50 steps (``python -m evals faults``)."""
         paths = self._attached(paths)  # rebuilds each group's trie from its prompt tail
         rows, ends = np.asarray(rows, np.int64), np.asarray(ends, np.int64)
-        begins = np.empty_like(ends)
-        for j, path in enumerate(paths.tolist()):
-            group = self._path_group[path]
-            begins[j] = max(group.prompt_len, int(ends[j]) - max_tokens)
-            if begins[j] == group.prompt_len:  # the whole output: it does follow the prompt
-                self._cursor[path, 0] = group.start
+        groups = self._path_group[paths]
+        prompt_lens = self._groups[groups, R.PLEN]
+        begins = np.maximum(prompt_lens, ends - max_tokens)
+        whole = begins == prompt_lens  # the whole output: it does follow the prompt
+        self._cursor[paths[whole], 0] = self._groups[groups[whole], R.START]
         self.extend_from(paths, buffer, rows, np.minimum(begins, ends), ends)
 
     def _attached(self, paths) -> np.ndarray:
@@ -379,34 +312,36 @@ class ConsensusDrafter:
                 return paths
         raise ValueError("paths keep losing their tries: max_trie_nodes is too small")
 
-    def _grow(self) -> None:
-        old = len(self._path_group)
-        new = max(64, 2 * old)
-        self._path_group.extend([None] * (new - old))
-        self._free.extend(range(new - 1, old - 1, -1))  # lowest id first
-        cursor = np.full((new, 2), UNSET, np.int64)
-        cursor[:old] = self._cursor
-        self._cursor = cursor
-
     def _new_cross(self) -> None:
         """Start a new cross-group trie; paths re-attach to it when next used."""
-        self._cross_root, self._cross_since = self._new_root(), self.forest.tokens_appended
-        self._owners[self._cross_root] = None
+        root = self._new_root()
+        self._reg[R.CROSS_SINCE] = self.forest.tokens_appended
+        self._cross_roots.append(root)
         self._cursor[self._cursor[:, 1] >= 0, 1] = UNSET
 
     def _cross_start(self) -> int:
-        return self._cross_root if self.options.cross_group_weight > 0 else -1
+        return self._cross_roots[-1] if self.options.cross_group_weight > 0 else -1
 
-    def _build(self, group: Group) -> None:
+    def _build(self, group: int) -> None:
         """Give the group a trie holding its prompt tail, if it has none."""
-        if group.root < 0:
-            tail = group.prompt_tail
+        if self._groups[group, R.ROOT] < 0:
+            tail = self._tails[group].reshape(1, -1)
+            f = self.forest
 
             def build():  # a root left empty by a full half is garbage in it
-                root = self._new_root()
-                return root, int(self.forest.extend_many([root], tail, [0, len(tail)])[0])
-            group.root, group.start = self._retrying(build, "a prompt tail needs")
-            self._owners[group.root] = group
+                t0, t1 = f._tables
+                root, node, event = R.build(f._nodes, t0, t1, f._shift, f.half, f._state,
+                                            f.max_depth, f.young, tail, 0, 0, tail.shape[1])
+                if event == R.ROOT_FULL:
+                    self._rotate()
+                    root, node, event = R.build(f._nodes, *f._tables, f._shift, f.half, f._state,
+                                                f.max_depth, f.young, tail, 0, 0, tail.shape[1])
+                if event != R.DONE:
+                    raise ForestFull(f.young)
+                f.meta[0] += tail.shape[1]
+                return root, node
+            self._groups[group, R.ROOT], self._groups[group, R.START] = self._retrying(
+                build, "a prompt tail needs")
 
     def _new_root(self) -> int:
         try:
@@ -421,11 +356,11 @@ class ConsensusDrafter:
         the trie's root with no context: appending there records only
         n-grams of the path's own output, never the prompt followed by
         whatever the path writes now."""
-        group = self._path_group[path]
-        if group is None:
+        group = int(self._path_group[path])
+        if group < 0:
             raise ValueError(f"path {path} was released")
         if self._cursor[path, 0] == UNSET:
             self._build(group)
-            self._cursor[path, 0] = group.root
+            self._cursor[path, 0] = self._groups[group, R.ROOT]
         if self._cursor[path, 1] == UNSET:
             self._cursor[path, 1] = self._cross_start()

@@ -35,7 +35,7 @@ from .trie_kernels import BEST, CNT, DEP, FIRST, LINK, TOK, TOT, UNSET  # noqa: 
 
 PAGE_SLOTS = 4096 // 16  # edge-table slots in a 4 KB page
 TIDY_SLOTS = 1 << 14     # table slots tidy() clears a call (256 KB, ~20 us)
-TOKEN_LIMIT = K._TOKEN_LIMIT  # token ids must be below it
+TOKEN_LIMIT = K.TOKEN_LIMIT  # token ids must be below it
 EDGES_PER_NODE = 0.25  # table slots per node are half this (load <= 1/2)
 
 
@@ -91,8 +91,8 @@ class SuffixForest:
         self._dirty = None  # the dropped half's table, until tidy() has cleared it
         self._state = np.array([[0, 0], [self.half, 0]], np.int64)  # per half: next id, edges
         self.young = 0  # the half new tries start in
-        self.tokens_appended = 0  # per sequence, by every call, ever
-        self._grow_drafts(64, 8)  # extend_and_draft's outputs and scratch
+        self.meta = np.zeros(1, np.int64)  # tokens appended (per sequence), by every call, ever
+        self._grow_drafts(64, 8)  # the drafter's step outputs and scratch
 
     def _new_table(self) -> np.ndarray:
         return _anonymous((self._slots, 2), np.int64)
@@ -100,6 +100,22 @@ class SuffixForest:
     @property
     def old(self) -> int:
         return 1 - self.young
+
+    @property
+    def tokens_appended(self) -> int:
+        """Tokens appended (once per sequence they went to), by every call, ever."""
+        return int(self.meta[0])
+
+    @property
+    def tidy_pending(self) -> bool:
+        """Whether :meth:`tidy` may have work to do (a dropped half's table to
+        clear, or a spare table's pages to write)."""
+        return self._dirty is not None or self._spare_done < self._slots
+
+    def arena(self) -> tuple:
+        """``(nodes, t0, t1, shift, half)``: the arena as the public kernels of
+        :mod:`.trie_kernels` take it (valid until the next :meth:`rotate`)."""
+        return (self._nodes, *self._tables, self._shift, self.half)
 
     def num_nodes(self, half: int | None = None) -> int:
         """Nodes in use, in ``half`` or in both."""
@@ -223,52 +239,10 @@ class SuffixForest:
         out, _ = self._run(K._extend, (nodes, _as_buffer(buffer), rows, begins, ends))
         return out
 
-    def extend_and_draft(self, cursors, ids, buffer, rows, begins, ends, max_tokens,
-                         weight_b: float, min_prob: float, min_match: int, prior: float):
-        """:meth:`extend_rows` then :meth:`draft_many` in one call, for
-        sequences kept as rows of ``cursors``, a (P, 2) int64 array of
-        (node in trie A, node in trie B or -1), updated in place: sequence
-        ``ids[i]`` takes ``buffer[rows[i], begins[i]:ends[i]]``, then drafts
-        at most ``max_tokens[i]`` tokens. Every sequence is extended before
-        any drafts.
-
-        Returns ``(tokens, probs, lengths)`` as :meth:`draft_many`, or None,
-        changing nothing, if a selected cursor is ``UNSET`` (or A is -1).
-        The arrays are views into buffers this forest reuses: valid until
-        its next call of this method (nothing is allocated per call).
-        """
-        ids = np.asarray(ids, np.int64)
-        rows = np.asarray(rows, np.int64)
-        begins = np.asarray(begins, np.int64)
-        ends = np.asarray(ends, np.int64)
-        max_tokens = np.asarray(max_tokens, np.int64)
-        m = len(ids)
-        if not m == len(rows) == len(begins) == len(ends) == len(max_tokens):
-            raise ValueError("ids, rows, begins, ends and max_tokens must have equal length")
-        if cursors.ndim != 2 or cursors.shape[1] != 2 or cursors.dtype != np.int64:
-            raise ValueError("cursors must be a (P, 2) int64 array")
-        buffer = _as_buffer(buffer)
-        if m > len(self._lens):
-            self._grow_drafts(m, len(self._toks) // len(self._lens))
-        while True:
-            t0, t1 = self._tables
-            err, k, total, full = K._extend_draft(
-                self._nodes, t0, t1, self._shift, self.half, self._state, self.max_depth, cursors,
-                ids, buffer, rows, begins, ends, max_tokens, float(weight_b), float(min_prob),
-                int(min_match), float(prior), self._starts, self._memo, self._toks, self._probs,
-                self._lens)
-            if err != K._SMALL:
-                break
-            self._grow_drafts(m, k)
-        self._raise(err, total, full)
-        if err == K._STALE:
-            return None
-        return (self._toks[:m * k].reshape(m, k), self._probs[:m * k].reshape(m, k),
-                self._lens[:m])
-
     def _grow_drafts(self, rows: int, width: int) -> None:
-        """Draft buffers for at least ``rows`` rows of ``width`` tokens
-        (powers of two: they grow a few times in an engine's life)."""
+        """Draft buffers for at least ``rows`` rows of ``width`` tokens, the
+        drafter's step writes into (:func:`.path_kernels.extend_and_draft`;
+        powers of two: they grow a few times in an engine's life)."""
         r, w = 64, 8
         while r < rows:
             r *= 2
@@ -284,11 +258,11 @@ class SuffixForest:
         """:meth:`fill` of both halves in one call: bit 1 set if the young
         half is more than ``rotate_at`` full or the old one more than
         ``old_full_at``; bit 2 if the young one is more than half full."""
-        return K._room(self._state, self.half, self._slots, self.young, rotate_at, old_full_at)
+        return K.room(self._state, self.half, self._slots, self.young, rotate_at, old_full_at)
 
     def _run(self, extend_kernel, args):
         """Run a kernel that extends sequences; returns (its outputs, 0 or
-        ``K._STALE``) and raises on bad input or a full half."""
+        ``K.STALE``) and raises on bad input or a full half."""
         t0, t1 = self._tables
         *out, err, total, full = extend_kernel(self._nodes, t0, t1, self._shift, self.half,
                                                self._state, self.max_depth, *args)
@@ -297,14 +271,19 @@ class SuffixForest:
 
     def _raise(self, err: int, total: int, full: int) -> None:
         """Raise on bad input or a full half; count the tokens appended."""
-        if err == K._FULL:
+        if err == K.FULL:
             raise ForestFull(int(full))
-        if err == K._BAD_TOKEN:
-            raise ValueError(f"token ids must be in [0, {K._TOKEN_LIMIT})")
-        if err == K._BAD_INPUT:
-            raise ValueError("node or sequence ids, rows or token ranges out of range")
+        self.raise_for(err)
         if not err:
-            self.tokens_appended += total
+            self.meta[0] += total
+
+    @staticmethod
+    def raise_for(err: int) -> None:
+        """ValueError for a kernel's bad-input error codes."""
+        if err == K.BAD_TOKEN:
+            raise ValueError(f"token ids must be in [0, {K.TOKEN_LIMIT})")
+        if err == K.BAD_INPUT:
+            raise ValueError("node or sequence ids, rows or token ranges out of range")
 
     def draft_many(self, nodes_a, nodes_b, weight_b: float, max_tokens, k: int,
                    min_prob: float, min_match: int, prior: float):
@@ -344,4 +323,4 @@ class SuffixForest:
     def child(self, node: int, token: int) -> int:
         """Child of ``node`` along ``token``, or -1."""
         t0, t1 = self._tables
-        return int(K._child(self._nodes, t0, t1, self._shift, self.half, int(node), int(token)))
+        return int(K.child(self._nodes, t0, t1, self._shift, self.half, int(node), int(token)))

@@ -29,7 +29,7 @@ import numpy as np
 
 from . import trie_kernels as TK
 from .drafter import ConsensusDrafter, DrafterOptions
-from .trie_kernels import BEST, CNT, DEP, LINK, TOK, TOT, _child  # noqa: F401  (bound compiled)
+from .trie_kernels import BEST, CNT, DEP, LINK, TOK, TOT, advance, child  # noqa: F401  (bound compiled)
 from ..jit import Kernels
 
 kernel = Kernels(globals(), uses=(TK.kernel,))
@@ -80,7 +80,7 @@ def _walk(nodes, t0, t1, shift, half, max_depth, node, owner, text, begin, end, 
         while True:
             d = nodes[n, DEP]
             if d < max_depth:
-                c = _child(nodes, t0, t1, shift, half, n, tok)
+                c = child(nodes, t0, t1, shift, half, n, tok)
                 for side in range(2):
                     m = np.int64(n) if side == 0 else np.int64(c)
                     dm = np.int64(d) + side
@@ -133,6 +133,45 @@ def _touched(nodes, t0, t1, shift, half, max_depth, paths, group_starts, group_o
                                     key_node, key_owner, dirty, values, n_keys, n_dirty)
         window[paths[i]] = text[n:n + d]
     return n_keys, n_dirty
+
+
+@kernel
+def table_contexts(nodes, t0, t1, shift, half, max_depth, min_match, buf, lens, group_roots,
+                   cross_root):
+    """The host's reading of the device table's lookup, per row: the (group
+    trie node, cross-group trie node) pair whose joint walk
+    (:func:`~.trie_kernels.draft_into`) is the draft the table's entry for
+    the row's current context (``buf[i, :lens[i]]``'s last ``max_depth``
+    tokens) holds; -1 where a source has no entry, (-1, -1) a miss. The
+    group source wins when its longest hit is at least ``min_match`` deep;
+    the cross-group one then looks up that context, else its own longest.
+    :meth:`~consensus_spec.device_route.table.ContextTable.draft` walks the
+    same thing in torch (tests/test_device_table.py holds the two equal)."""
+    rows = lens.shape[0]
+    a_out = np.full(rows, -1, np.int64)
+    b_out = np.full(rows, -1, np.int64)
+    for i in range(rows):
+        n = lens[i]
+        start = max(0, n - max_depth)
+        a = group_roots[i]
+        if a >= 0:
+            for j in range(start, n):
+                a = advance(nodes, t0, t1, shift, half, max_depth, a, buf[i, j])
+            d = nodes[a, DEP]
+            if d >= min_match:  # group table hit: key is the last d tokens
+                b = cross_root
+                if b >= 0:
+                    for j in range(n - d, n):
+                        b = advance(nodes, t0, t1, shift, half, max_depth, b, buf[i, j])
+                a_out[i], b_out[i] = a, b
+                continue
+        if cross_root >= 0:  # shared cross-group table
+            b = cross_root
+            for j in range(start, n):
+                b = advance(nodes, t0, t1, shift, half, max_depth, b, buf[i, j])
+            if nodes[b, DEP] >= min_match:
+                b_out[i] = b
+    return a_out, b_out
 
 
 @dataclass
@@ -204,7 +243,7 @@ class LaggedTries:
         self._window[path] = -1
         if len(tail):
             self._window[path, -len(tail):] = tail
-        self._tail_roots.append(int(d.path_group(path).root))
+        self._tail_roots.append(d.group_root(d.group_of(path)))
         return path
 
     def leave(self, path: int) -> None:
@@ -309,22 +348,22 @@ class LaggedTries:
     def _run(self, fed, roots, cross, drop_nodes, drop_owners) -> TableDelta:
         """The kernels over this call's appends and new group tries' prompt tails."""
         d, forest = self.drafter, self.drafter.forest
-        groups = [d.group_of_root(r) for r in roots]
-        total = sum(int(c.sum()) for *_, c in fed) + sum(len(g.prompt_tail) for g in groups if g)
+        tails = [d.prompt_tail(r) for r in roots]
+        total = sum(int(c.sum()) for *_, c in fed) + sum(len(t) for t in tails if t is not None)
         cap = total * 4 * (self.max_depth + 1) + 1
         keys, key_nodes, key_owners, dirty = (np.empty(cap, np.int64) for _ in range(4))
         values = np.empty((cap, 3), np.int32)
         n_keys = n_dirty = 0
-        args = (forest._nodes, *forest._tables, forest._shift, forest.half, self.max_depth)
+        args = (*forest.arena(), self.max_depth)
         outs = (self._mark, self.calls, self.powers, keys, key_nodes, key_owners, dirty, values)
         for paths, group_starts, owners, cross_starts, tokens, counts in fed:
             n_keys, n_dirty = _touched(*args, paths, group_starts, owners, cross_starts, cross,
                                        self._window, tokens, counts, *outs, n_keys, n_dirty)
-        for root, group in zip(roots, groups):
-            if group is None:
+        for root, tail in zip(roots, tails):
+            if tail is None:
                 continue
             self._keyed_roots.add(root)
-            tail = group.prompt_tail.astype(np.int64)
+            tail = tail.astype(np.int64)
             n_keys, n_dirty = _walk(*args, root, root, tail, 0, len(tail), *outs, n_keys, n_dirty)
         self.entries += n_keys
         cross_keys = key_owners[:n_keys] == self._cross

@@ -1,20 +1,27 @@
 """Compiled kernels of :class:`~consensus_spec.drafting.forest.SuffixForest`:
 appending and drafting over the shared node arena (layout in the
 forest module's docstring). Python calls them through this module's
-attributes, which :meth:`Kernels.compile` swaps for their compiled versions."""
+attributes, which :meth:`Kernels.compile` swaps for their compiled versions.
+
+The public ones are the trie's face for other compiled code (the drafter's
+path kernels, the lagged tries of the device route, the replay's device
+emulation): :func:`child`, :func:`advance`, :func:`append`,
+:func:`extend_into`, :func:`draft_into` and :func:`room`. Each takes the
+arena as ``nodes, t0, t1, shift, half`` (:meth:`SuffixForest.arena` gives
+them), and ``state`` and ``max_depth`` where it writes or walks."""
 
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..jit import Kernels
+from ..jit import Kernels, prefetch
 
-_TOKEN_BITS = 21
-_TOKEN_LIMIT = 1 << _TOKEN_BITS
+TOKEN_BITS = 21
+TOKEN_LIMIT = 1 << TOKEN_BITS
 TOK, DEP, CNT, TOT, BEST, LINK, FIRST = range(7)  # columns of the node array
 _FIB = np.uint64(0x9E3779B97F4A7C15)      # Fibonacci hashing multiplier
-_BAD_TOKEN, _BAD_INPUT, _STALE, _FULL, _SMALL = -1, -2, -3, -4, -5
+BAD_TOKEN, BAD_INPUT, STALE, FULL, SMALL = -1, -2, -3, -4, -5  # errors kernels return
 UNSET = -2  # a cursor that points into no trie yet (see extend_and_draft)
 
 
@@ -32,25 +39,28 @@ def _probe(table, shift, key):
 
 
 @kernel
-def _child(nodes, t0, t1, shift, half, node, tok):
-    """``node``'s child along ``tok``, or -1."""
+def child(nodes, t0, t1, shift, half, node, tok):
+    """``node``'s child along token ``tok``, or -1: the first child from the
+    node's row, any other from its half's edge table."""
     f = nodes[node, FIRST]
     if f < 0 or nodes[f, TOK] == tok:
         return np.int64(f)
     if nodes[node, TOT] == nodes[f, CNT]:  # the first child is the only one
         return -1
-    key = ((np.int64(node) << _TOKEN_BITS) | tok) + 1  # stored + 1: 0 marks an empty slot
+    key = ((np.int64(node) << TOKEN_BITS) | tok) + 1  # stored + 1: 0 marks an empty slot
     table = t0 if node < half else t1
     s = _probe(table, shift, key)
     return table[s, 1] if table[s, 0] == key else -1
 
 
 @kernel
-def _step(nodes, t0, t1, shift, half, max_depth, node, tok):
-    """Longest suffix of (node's string + tok) present in node's trie."""
+def advance(nodes, t0, t1, shift, half, max_depth, node, tok):
+    """The context after reading ``tok`` at context ``node``: the node of
+    the longest suffix of (node's string + tok) present in node's trie, at
+    most ``max_depth`` deep (the root if none). Reads only."""
     while True:
         if nodes[node, DEP] < max_depth:
-            c = _child(nodes, t0, t1, shift, half, node, tok)
+            c = child(nodes, t0, t1, shift, half, node, tok)
             if c >= 0:
                 return c
         if nodes[node, DEP] == 0:
@@ -69,9 +79,12 @@ def _top(nodes, node, min_depth):
 
 
 @kernel
-def _append(nodes, t0, t1, shift, half, state, max_depth, node, buf, row, begin, end):
-    """Append ``buf[row, begin:end]`` to the sequence at ``node``; its new node.
-    New nodes and hashed edges go to node's half, as its whole trie does."""
+def append(nodes, t0, t1, shift, half, state, max_depth, node, buf, row, begin, end):
+    """Append ``buf[row, begin:end]`` to the sequence whose longest-suffix
+    node is ``node``; returns its new one. Counts every suffix of each new
+    token's context (up to ``max_depth`` + 1 nodes a token); new nodes and
+    hashed edges go to node's half, as its whole trie does. The caller has
+    checked the room (``extend_into`` does) and the tokens."""
     h = 0 if node < half else 1
     table = t0 if h == 0 else t1
     n_nodes, n_hashed = state[h, 0], state[h, 1]
@@ -86,7 +99,7 @@ def _append(nodes, t0, t1, shift, half, state, max_depth, node, buf, row, begin,
                 if found:  # below an existing node, its suffix links are the
                     c = np.int64(nodes[prev, LINK])  # children: no lookup
                 else:
-                    c = _child(nodes, t0, t1, shift, half, n, tok)
+                    c = child(nodes, t0, t1, shift, half, n, tok)
                     found = c >= 0
                 if not found:
                     c = n_nodes
@@ -97,7 +110,7 @@ def _append(nodes, t0, t1, shift, half, state, max_depth, node, buf, row, begin,
                     if nodes[n, FIRST] < 0:
                         nodes[n, FIRST] = c
                     else:
-                        key = ((np.int64(n) << _TOKEN_BITS) | tok) + 1
+                        key = ((np.int64(n) << TOKEN_BITS) | tok) + 1
                         s = _probe(table, shift, key)
                         table[s, 0] = key
                         table[s, 1] = c
@@ -132,19 +145,19 @@ def _check_ranges(state, half, starts, buf, rows, begins, ends):
     """0, or why the input is bad (checked before anything changes)."""
     for i in range(starts.shape[0]):
         if not (0 <= rows[i] < buf.shape[0] and 0 <= begins[i] <= ends[i] <= buf.shape[1]):
-            return _BAD_INPUT
+            return BAD_INPUT
         for s in range(starts.shape[1]):
             if not _valid(state, half, starts[i, s]):
-                return _BAD_INPUT
+                return BAD_INPUT
         for j in range(begins[i], ends[i]):
-            if buf[rows[i], j] < 0 or buf[rows[i], j] >= _TOKEN_LIMIT:
-                return _BAD_TOKEN
+            if buf[rows[i], j] < 0 or buf[rows[i], j] >= TOKEN_LIMIT:
+                return BAD_TOKEN
     return 0
 
 
 @kernel
-def _extend_into(nodes, t0, t1, shift, half, state, max_depth, starts, buf, rows, begins, ends,
-                 out):
+def extend_into(nodes, t0, t1, shift, half, state, max_depth, starts, buf, rows, begins, ends,
+                out):
     """Append ``buf[rows[i], begins[i]:ends[i]]`` to each sequence ``starts[i, s]``
     (-1: none), its new node into ``out[i, s]`` (``out`` may be ``starts``).
     Returns (error or 0, tokens per sequence, half lacking room or -1); on
@@ -166,12 +179,17 @@ def _extend_into(nodes, t0, t1, shift, half, state, max_depth, starts, buf, rows
         need = need0 if h == 0 else need1
         if (state[h, 0] + need > (h + 1) * half
                 or 2 * (state[h, 1] + need) > t0.shape[0]):
-            return _FULL, total, h
-    for i in range(starts.shape[0]):
+            return FULL, total, h
+    m = starts.shape[0]
+    for i in range(m):
+        if i + 1 < m:  # the next row's first nodes load while this row appends
+            for s in range(starts.shape[1]):
+                if starts[i + 1, s] >= 0:
+                    prefetch(nodes, starts[i + 1, s])
         for s in range(starts.shape[1]):
             if starts[i, s] >= 0:
-                out[i, s] = _append(nodes, t0, t1, shift, half, state, max_depth, starts[i, s],
-                                    buf, rows[i], begins[i], ends[i])
+                out[i, s] = append(nodes, t0, t1, shift, half, state, max_depth, starts[i, s],
+                                   buf, rows[i], begins[i], ends[i])
             else:
                 out[i, s] = starts[i, s]
     return 0, total, -1
@@ -179,11 +197,11 @@ def _extend_into(nodes, t0, t1, shift, half, state, max_depth, starts, buf, rows
 
 @kernel
 def _extend(nodes, t0, t1, shift, half, state, max_depth, starts, buf, rows, begins, ends):
-    """:func:`_extend_into` into a new array: (new nodes, error or 0, tokens
+    """:func:`extend_into` into a new array: (new nodes, error or 0, tokens
     per sequence, half lacking room or -1)."""
     out = starts.copy()
-    err, total, full = _extend_into(nodes, t0, t1, shift, half, state, max_depth, starts, buf,
-                                    rows, begins, ends, out)
+    err, total, full = extend_into(nodes, t0, t1, shift, half, state, max_depth, starts, buf,
+                                   rows, begins, ends, out)
     return out, err, total, full
 
 
@@ -196,12 +214,12 @@ def _draft_row(nodes, t0, t1, shift, half, max_depth, a, b, weight_b, max_tokens
     p = 1.0
     n = 0
     while n < max_tokens:
-        from_b, prob, child = False, 0.0, np.int64(-1)
+        from_b, prob, nxt = False, 0.0, np.int64(-1)
         ctx = _top(nodes, a, min_match) if a >= 0 else -1
         score = 0.0
         if ctx >= 0:
-            child = np.int64(nodes[ctx, BEST])
-            prob = nodes[child, CNT] / (nodes[ctx, TOT] + prior)
+            nxt = np.int64(nodes[ctx, BEST])
+            prob = nodes[nxt, CNT] / (nodes[ctx, TOT] + prior)
             score = prob * (1 + nodes[ctx, DEP])
         if b >= 0:  # B must score strictly higher
             ctx = _top(nodes, b, min_match)
@@ -209,28 +227,28 @@ def _draft_row(nodes, t0, t1, shift, half, max_depth, a, b, weight_b, max_tokens
                 c = np.int64(nodes[ctx, BEST])
                 prob_b = nodes[c, CNT] / (nodes[ctx, TOT] + prior)
                 if weight_b * prob_b * (1 + nodes[ctx, DEP]) > score:
-                    from_b, prob, child = True, prob_b, c
-        if child < 0:
+                    from_b, prob, nxt = True, prob_b, c
+        if nxt < 0:
             break
         p *= prob
         if p < min_prob:
             break
-        tok = nodes[child, TOK]
+        tok = nodes[nxt, TOK]
         toks[n] = tok
         probs[n] = p
         n += 1
         if from_b:
-            b = child
-            a = _step(nodes, t0, t1, shift, half, max_depth, a, tok) if a >= 0 else a
+            b = nxt
+            a = advance(nodes, t0, t1, shift, half, max_depth, a, tok) if a >= 0 else a
         else:
-            a = child
-            b = _step(nodes, t0, t1, shift, half, max_depth, b, tok) if b >= 0 else b
+            a = nxt
+            b = advance(nodes, t0, t1, shift, half, max_depth, b, tok) if b >= 0 else b
     return n
 
 
 @kernel
-def _draft_into(nodes, t0, t1, shift, half, max_depth, start, max_tokens, weight_b, min_prob,
-                min_match, prior, memo, tok, prob, lens):
+def draft_into(nodes, t0, t1, shift, half, max_depth, start, max_tokens, weight_b, min_prob,
+               min_match, prior, memo, tok, prob, lens):
     """Row i's joint greedy draft from nodes ``start[i]`` (A, B), at most
     ``max_tokens[i]`` tokens and ``tok``'s width, into ``tok[i]`` and
     ``prob[i]`` (0 past its length) and ``lens[i]``.
@@ -242,6 +260,11 @@ def _draft_into(nodes, t0, t1, shift, half, max_depth, start, max_tokens, weight
     mask = memo.shape[0] - 1
     memo[:] = -1
     for i in range(m):
+        if i + 1 < m:  # the next row's contexts load while this row drafts
+            if start[i + 1, 0] >= 0:
+                prefetch(nodes, start[i + 1, 0])
+            if start[i + 1, 1] >= 0:
+                prefetch(nodes, start[i + 1, 1])
         a, b = start[i, 0], start[i, 1]
         limit = max(min(max_tokens[i], k), 0)  # < 0 (no room left): no draft
         slot = ((a * 0x9E3779B1) ^ (b + 1)) & mask
@@ -272,21 +295,21 @@ def _draft(nodes, t0, t1, shift, half, state, max_depth, nodes_a, nodes_b, weigh
     lens = np.zeros(rows, np.int32)
     for i in range(rows):
         if not (_valid(state, half, nodes_a[i]) and _valid(state, half, nodes_b[i])):
-            return toks, probs, lens, _BAD_INPUT
+            return toks, probs, lens, BAD_INPUT
     start = np.empty((rows, 2), np.int64)
     start[:, 0] = nodes_a
     start[:, 1] = nodes_b
     size = 2
     while size < 2 * rows:
         size *= 2
-    _draft_into(nodes, t0, t1, shift, half, max_depth, start, max_tokens, weight_b, min_prob,
-                min_match, prior, np.empty(size, np.int64), toks, probs, lens)
+    draft_into(nodes, t0, t1, shift, half, max_depth, start, max_tokens, weight_b, min_prob,
+               min_match, prior, np.empty(size, np.int64), toks, probs, lens)
     return toks, probs, lens, 0
 
 
 @kernel
-def _room(state, half, slots, young, rotate_at, old_full_at):
-    """Bit 1: a half is full enough to rotate (the young one past
+def room(state, half, slots, young, rotate_at, old_full_at):
+    """How full the arena's halves are, for the owner's rotation. Bit 1: a half is full enough to rotate (the young one past
     ``rotate_at``, or the old one past ``old_full_at``); bit 2: the young
     half is past half full. Fill: nodes or edges in use, whichever is the
     larger share."""
@@ -301,47 +324,6 @@ def _room(state, half, slots, young, rotate_at, old_full_at):
         elif fill > old_full_at:
             code |= 1
     return code
-
-
-@kernel
-def _extend_draft(nodes, t0, t1, shift, half, state, max_depth, cursors, ids, buf, rows, begins,
-                  ends, max_tokens, weight_b, min_prob, min_match, prior, starts, memo, toks, probs,
-                  lens):
-    """Every sequence ``ids[i]`` (a row of ``cursors``) takes its tokens,
-    then every one drafts (:func:`_draft_into`) at most ``max_tokens[i]``;
-    k, the width, is the largest. ``toks`` and ``probs`` are flat (row i
-    at ``i * k``), ``lens`` per row; ``starts`` ((m, 2) or more) and
-    ``memo`` (a power of two >= 2m) are scratch: nothing is allocated.
-
-    Returns (error or 0, k, tokens appended, half lacking room or -1);
-    ``_SMALL`` if ``toks`` cannot hold m x k (nothing changed then)."""
-    m = ids.shape[0]
-    k = 0
-    for i in range(m):
-        k = max(k, max_tokens[i])
-    if m * k > toks.shape[0] or m > lens.shape[0] or m > starts.shape[0] or 2 * m > memo.shape[0]:
-        return _SMALL, k, 0, -1
-    for i in range(m):
-        if not 0 <= ids[i] < cursors.shape[0]:
-            return _BAD_INPUT, k, 0, -1
-        if cursors[ids[i], 0] < 0 or cursors[ids[i], 1] < -1:
-            return _STALE, k, 0, -1
-    start = starts[:m]
-    for i in range(m):
-        start[i, 0] = cursors[ids[i], 0]
-        start[i, 1] = cursors[ids[i], 1]
-    # every row's tokens go in before any row drafts
-    err, total, full = _extend_into(nodes, t0, t1, shift, half, state, max_depth, start, buf, rows,
-                                    begins, ends, start)
-    if err:
-        return err, k, total, full
-    for i in range(m):
-        cursors[ids[i], 0] = start[i, 0]
-        cursors[ids[i], 1] = start[i, 1]
-    _draft_into(nodes, t0, t1, shift, half, max_depth, start, max_tokens, weight_b, min_prob,
-                min_match, prior, memo, toks[:m * k].reshape((m, k)), probs[:m * k].reshape((m, k)),
-                lens[:m])
-    return 0, k, total, -1
 
 
 @kernel

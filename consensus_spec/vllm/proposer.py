@@ -126,7 +126,7 @@ class ConsensusProposer:
                        if self._cost_model is not None else None)
         if learned is not None and self.budget is not None:
             self.budget.costs = learned
-        self.rows = RowTracker(self.drafter.add_path, self.drafter.release,
+        self.rows = RowTracker(self.drafter,
                                max_parked=64 + 4 * self._max_num_seqs, token_limit=TOKEN_LIMIT)
         self._sent = None  # (rows, paths, estimates, lengths) of the drafts last sent
         self._last_end = None  # clock at the end of the last propose call

@@ -11,6 +11,9 @@ any row is within ``k`` tokens of ``max_model_len``). A path is known by a
 step's new tokens, so paths of different prompts (or siblings that differ
 anywhere) are not confused because their length and last tokens agree.
 
+A path's hash is :func:`consensus_spec.keymap.seq_hash` of its tokens: a
+new row's prompt hash is the key the drafter knows its group by.
+
 A row keeps its path while it continues exactly where that path left off:
 same length, last four tokens in place (O(1) per row: the steady state).
 A former path its own row does not continue is a free candidate (vLLM
@@ -39,38 +42,33 @@ tokens the drafter would read include an id outside ``[0, token_limit)``
 sits the step out alone and its path is freed, to be resumed once the row
 makes sense again (``rows_rejected`` counts these). Other rows, its
 siblings included, go on as if it were not there.
-One compiled call per step (``_match``) matches every row; parking,
-resuming and new paths run in Python, in :mod:`.rows`.
+One compiled call per step (``_match``) matches every row, parks the
+paths no row continues and resumes parked ones (:mod:`.parking`), into
+buffers the tracker keeps; only new paths go back to Python (:mod:`.rows`),
+one call per step for all of them.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from .. import keymap
 from ..jit import Kernels
+from ..keymap import EMPTY, mix, seq_hash  # noqa: F401  (bound compiled)
+from . import parking as P
+from .parking import park, unpark  # noqa: F401  (bound compiled)
 
-_TAIL = 4          # last tokens compared for an exact continuation
-_MAX_MISSED = 64   # tokens a parked path may have advanced during missed steps
+TAIL = 4          # last tokens compared for an exact continuation
+MAX_MISSED = 64   # tokens a parked path may have advanced during missed steps
 _IDLE, _EXACT, _OTHER = 0, 1, 2  # row states from _match
-_MUL = np.uint64(0x9E3779B97F4A7C15)  # odd: each hash step is a bijection
-_SHIFT = np.uint64(32)
-_ZERO = np.uint64(0)  # hash of no tokens
+_ZERO = EMPTY  # hash of no tokens
 
-kernel = Kernels(globals())
-
-
-@kernel
-def _mix(h, token):
-    """Hash of a sequence with hash ``h`` followed by ``token``."""
-    h = (h + np.uint64(token + 1)) * _MUL
-    return h ^ (h >> _SHIFT)  # fold high bits down: no polynomial structure to collide on
+kernel = Kernels(globals(), uses=(P.kernel, keymap.kernel))
 
 
 @kernel
 def _extend(h, token_ids, i, begin, end):
-    for t in range(begin, end):
-        h = _mix(h, token_ids[i, t])
-    return h
+    return seq_hash(h, token_ids, i, begin, end)
 
 
 @kernel
@@ -78,14 +76,14 @@ def _prefixes(token_ids, i, end, out):
     """out[n] = hash of row i's first n tokens, for n <= end."""
     h = out[0] = _ZERO
     for t in range(end):
-        h = out[t + 1] = _mix(h, token_ids[i, t])
+        h = out[t + 1] = mix(h, token_ids[i, t])
 
 
 @kernel
 def _continues(token_ids, i, length, tail):
     """Row i's tokens before ``length`` are ``tail`` (index-clipped at 0)."""
-    for t in range(_TAIL):
-        if token_ids[i, max(length - _TAIL + t, 0)] != tail[t]:
+    for t in range(TAIL):
+        if token_ids[i, max(length - TAIL + t, 0)] != tail[t]:
             return False
     return True
 
@@ -114,19 +112,36 @@ def _in_range(token_ids, i, begin, end, limit):
 
 
 @kernel
-def _match(counts, ends, token_ids, lens, tail, hashes, path, state, window, token_limit):
-    """Find each row's path; rows with new tokens come back as (row, path,
-    begin, end, contiguous), path -1 where no row's former path fits (then
-    ``window[row, d]`` is the hash of the row's first ``begin - d`` tokens),
-    and the former paths no row continues as (path, length, hash); then
-    counts of rows moved, tokens missed, rows unresolved and rejected, and
-    tokens the rows produced."""
-    num_rows, width = counts.shape[0], token_ids.shape[1]
-    old_path, old_lens, old_tail, old_hash = path.copy(), lens.copy(), tail.copy(), hashes.copy()
-    free = np.zeros(path.shape[0], np.bool_)  # former path not continued in its own row
+def _match(counts, ends, token_ids, token_limit, rs, hs, tails, window, flags, idx, scratch, out,
+           contiguous, keys, parked, table, meta, key_free, max_parked, max_per_key, released):
+    """Find each row's path (one call per step; nothing allocated).
+
+    Per row: ``rs`` rows path (-1: none), length, state, and last step's
+    path and length (scratch); ``hs`` rows hash and last step's hash;
+    ``tails[0]`` its last tokens, ``tails[1]`` last step's. Rows with new
+    tokens come out as ``out`` rows (row, path, begin, end) and
+    ``contiguous``; former paths no row continues are parked
+    (:mod:`.parking`, those its caps push out into ``released``); a row no
+    former path fits resumes a parked path, else gets path -1 (a new path
+    for the caller to start; then ``window[row, d]`` is the hash of its
+    first ``begin - d`` tokens).
+
+    Returns (rows out, released, rows moved, tokens missed, rows left with
+    path -1 (their indices in ``out`` in ``idx[1]``), rows rejected, paths
+    resumed, tokens the rows produced)."""
+    path, lens, state, old_path, old_lens = rs[0], rs[1], rs[2], rs[3], rs[4]
+    hashes, old_hash = hs[0], hs[1]
+    tail, old_tail = tails[0], tails[1]
+    free, demoted = flags[0], flags[1]
+    num_rows, width, n = counts.shape[0], token_ids.shape[1], path.shape[0]
+    old_path[:] = path
+    old_lens[:] = lens
+    old_tail[:] = tail
+    old_hash[:] = hashes
+    free[:] = False
     live = rejected = 0
     lagged = False  # steps were missed
-    for i in range(path.shape[0]):
+    for i in range(n):
         if i >= num_rows:
             free[i] = old_path[i] >= 0
             path[i], lens[i] = -1, -1
@@ -155,23 +170,21 @@ def _match(counts, ends, token_ids, lens, tail, hashes, path, state, window, tok
                 if 0 < old_lens[i] < base and _continues(token_ids, i, old_lens[i], old_tail[i]):
                     lagged = True  # this row caught up, so moved paths may have advanced too
             live += 1
-    candidates = pending = np.flatnonzero(free)
-    while pending.shape[0]:  # exact rows a free path may have moved into; O(length) each
-        demoted = np.zeros(path.shape[0], np.bool_)
+    cand = idx[0]  # scratch: indices of free former paths
+    n_cand = _where(free, cand)
+    pending = idx[1]
+    n_pending = _where(free, pending)
+    while n_pending:  # exact rows a free path may have moved into; O(length) each
+        demoted[:] = False
         for i in range(num_rows):
             if state[i] == _EXACT \
-                    and _shadowed(token_ids, i, pending, old_lens, old_tail, old_hash, lagged) \
+                    and _shadowed(token_ids, i, pending[:n_pending], old_lens, old_tail, old_hash,
+                                  lagged) \
                     and _extend(_ZERO, token_ids, i, 0, old_lens[i]) != old_hash[i]:
                 state[i] = _OTHER
                 free[i] = demoted[i] = old_path[i] >= 0
-        pending = np.flatnonzero(demoted)  # its path is free now: check the others against it
-        candidates = np.flatnonzero(free)
-    scratch = np.empty(0, np.uint64)  # prefix hashes of one non-exact row
-    rows = np.empty(live, np.int64)
-    paths = np.empty(live, np.int64)
-    begins = np.empty(live, np.int64)
-    out_ends = np.empty(live, np.int64)
-    contiguous = np.empty(live, np.bool_)
+        n_pending = _where(demoted, pending)  # its path is free now: check the others against it
+        n_cand = _where(free, cand)
     m = moved = missed = 0
     for i in range(num_rows):
         if state[i] == _IDLE:
@@ -183,15 +196,14 @@ def _match(counts, ends, token_ids, lens, tail, hashes, path, state, window, tok
             who = i
             hashes[i] = _extend(old_hash[i], token_ids, i, base, end)
         else:  # caught up in its own row after missed steps, else moved here
-            if scratch.shape[0] == 0:
-                scratch = np.empty(width + 1, np.uint64)
             _prefixes(token_ids, i, end, scratch)
             hashes[i] = scratch[end]
             n = old_lens[i]
             if free[i] and 0 < n <= base and scratch[n] == old_hash[i]:
                 who = i
             else:
-                for r in candidates:
+                for c in range(n_cand):
+                    r = cand[c]
                     n = old_lens[r]
                     if free[r] and 0 < n <= base and (who < 0 or n > old_lens[who]) \
                             and scratch[n] == old_hash[r]:
@@ -202,42 +214,69 @@ def _match(counts, ends, token_ids, lens, tail, hashes, path, state, window, tok
                 moved += who != i
                 missed += base - begin
             else:  # for resuming a parked path
-                for d in range(min(_MAX_MISSED, base) + 1):
+                for d in range(min(MAX_MISSED, base) + 1):
                     window[i, d] = scratch[base - d]
         path[i] = old_path[who] if who >= 0 else -1
         lens[i] = end
-        for t in range(_TAIL):
-            tail[i, t] = token_ids[i, max(end - _TAIL + t, 0)]
-        rows[m], paths[m], begins[m], out_ends[m] = i, path[i], begin, end
+        for t in range(TAIL):
+            tail[i, t] = token_ids[i, max(end - TAIL + t, 0)]
+        out[0, m], out[1, m], out[2, m], out[3, m] = i, path[i], begin, end
         contiguous[m] = state[i] == _EXACT
         m += 1
-    gone = candidates[free[candidates]]
-    unresolved = 0
-    for j in range(live):
-        unresolved += paths[j] < 0
+    n_released = 0
+    for c in range(n_cand):  # former paths no row took, in row order
+        r = cand[c]
+        if free[r]:
+            n_released = park(keys, parked, table, meta, key_free, max_parked, max_per_key,
+                              old_path[r], old_lens[r], np.int64(old_hash[r]), released,
+                              n_released)
+    unresolved = resumed = 0
+    for j in range(m):
+        if out[1, j] >= 0:
+            continue
+        i, base = out[0, j], out[2, j]
+        found, length = unpark(keys, parked, table, meta, key_free, window, i, base, MAX_MISSED)
+        if found < 0:  # a new path, for the caller to start
+            pending[unresolved] = j
+            unresolved += 1
+            continue
+        resumed += 1
+        missed += base - length
+        out[2, j] = length
+        path[i] = out[1, j] = found
     tokens = 0
     for i in range(num_rows):
         tokens += counts[i]
-    return (rows, paths, begins, out_ends, contiguous, old_path[gone], old_lens[gone],
-            old_hash[gone], moved, missed, unresolved, rejected, tokens)
+    return m, n_released, moved, missed, unresolved, rejected, resumed, tokens
 
 
 @kernel
-def _accepted(rows, paths, sent, path, state, counts):
-    """Tokens the verifier kept of each draft sent last step; 0 (and nothing
-    sent) where the row no longer holds that path contiguously. Returns
-    them and their sum, and the sum of ``sent`` after."""
-    accepted = np.zeros(rows.shape[0], np.int64)
+def _where(mask, out):
+    """Indices of ``mask``'s True entries into ``out``; their number."""
+    n = 0
+    for i in range(mask.shape[0]):
+        if mask[i]:
+            out[n] = i
+            n += 1
+    return n
+
+
+@kernel
+def _accepted(rows, paths, sent, path, state, counts, accepted):
+    """Tokens the verifier kept of each draft sent last step, into
+    ``accepted``; 0 (and nothing sent) where the row no longer holds that
+    path contiguously. Returns their sum and the sum of ``sent`` after."""
     kept = judged = 0
     for j in range(rows.shape[0]):
         i = rows[j]
+        accepted[j] = 0
         if sent[j] > 0 and i < counts.shape[0] and state[i] == _EXACT and path[i] == paths[j]:
             accepted[j] = min(counts[i] - 1, sent[j])
             kept += accepted[j]
             judged += sent[j]
         else:
             sent[j] = 0
-    return accepted, kept, judged
+    return kept, judged
 
 
 @kernel

@@ -1,11 +1,11 @@
-"""Which path is in which batch row: :class:`RowTracker` parks and resumes
-paths in Python around one compiled call per step that matches every row
-from token content alone (how, and what it cannot tell apart: the
-docstring of :mod:`.row_kernels`).
+"""Which path is in which batch row: :class:`RowTracker` keeps it in arrays
+that one compiled call per step updates, matching every row from token
+content alone (how, and what it cannot tell apart: the docstring of
+:mod:`.row_kernels`) and parking and resuming paths (:mod:`.parking`).
 
 A free path no row takes is parked under (length, hash); a row that
 matches nothing resumes a parked path that its first tokens hash to (up to
-``_MAX_MISSED`` tokens back), else starts a new path whose prompt is every
+``MAX_MISSED`` tokens back), else starts a new path whose prompt is every
 token before its first sampled one. Paths with identical tokens are
 interchangeable, so confusing them costs nothing.
 
@@ -13,11 +13,13 @@ What it holds, and the bound on each (so an engine that serves the same
 request forever holds the same memory after warm-up):
 
 - per-row arrays (path, length, last four tokens, hash, state, count: 72
-  bytes a row, plus ``_MAX_MISSED + 1`` hashes, 520 bytes, for resuming):
+  bytes a row, plus ``MAX_MISSED + 1`` hashes, 520 bytes, for resuming):
   as many rows as the largest batch seen (at most vLLM's ``max_num_seqs``),
   never shrunk;
 - parked paths: at most ``max_parked`` in all and ``max_per_key`` under one
-  (length, hash); the index of their lengths has an entry per parked key.
+  (length, hash), in arrays of a row per key (48 B and 8 B a path it may
+  hold) and a table of two slots per key, grown by doubling to the most
+  keys parked at once.
   A path the tracker lets go of (dropped from the parked, never resumed) is
   handed to ``release_path`` once, so the paths it keeps the drafter holding
   are at most the batch's rows plus ``max_parked``.
@@ -41,14 +43,13 @@ resume, never a wrong match.
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
-from collections import OrderedDict
 from typing import Callable, NamedTuple
 
 import numpy as np
 
 from . import row_kernels as K
-from .row_kernels import _MAX_MISSED, _TAIL  # constants: compile() swaps only the kernels
+from .parking import Parked
+from .row_kernels import MAX_MISSED, TAIL  # constants: compile() swaps only the kernels
 
 _MAX_PER_KEY = 16  # parked paths kept with one (length, hash): see the module docstring
 
@@ -67,7 +68,8 @@ def _integers(a: np.ndarray) -> bool:
 
 
 class RowUpdate(NamedTuple):
-    """The rows that produced tokens this step (arrays of equal length)."""
+    """The rows that produced tokens this step (arrays of equal length; the
+    tracker's buffers, valid until the update after next)."""
     rows: np.ndarray        # batch row
     paths: np.ndarray       # its path id
     begins: np.ndarray      # the path's new tokens are token_ids[row, begin:end]
@@ -75,49 +77,70 @@ class RowUpdate(NamedTuple):
     contiguous: np.ndarray  # False: steps were missed or the path was just (re)attached
 
 
+class _OnePathAtATime:
+    """Per-path callables as the tracker's path registry."""
+
+    def __init__(self, start_path: Callable, release_path: Callable | None):
+        self._start, self._release = start_path, release_path
+
+    def start_paths(self, token_ids, rows, ends, hashes=None) -> np.ndarray:
+        return np.array([self._start(token_ids[r, :e]) for r, e in zip(rows.tolist(), ends.tolist())],
+                        np.int64)
+
+    def release_paths(self, paths) -> None:
+        if self._release is not None:
+            for p in paths.tolist():
+                self._release(p)
+
+
 class RowTracker:
     """Which path each batch row holds (see the module docstring).
 
-    ``start_path(prompt)`` makes a new path id; ``release_path(path)`` is
-    called once for each path the tracker forgets. ``max_parked``: paths
-    kept, in all, for rows that may resume them; ``max_per_key``: of those,
-    paths with one same (length, hash), i.e. identical token sequences."""
+    ``paths`` starts and releases path ids: an object with
+    ``start_paths(token_ids, rows, ends, hashes) -> ids`` (row ``rows[i]``'s
+    prompt is ``token_ids[rows[i], :ends[i]]``, its
+    :func:`~consensus_spec.keymap.seq_hash` ``hashes[i]``) and
+    ``release_paths(ids)``, such as
+    :class:`~consensus_spec.drafting.ConsensusDrafter`, called at most once
+    each per step; or a callable ``start_path(prompt) -> id``, with
+    ``release_path(id)`` beside it. Each path the tracker forgets is
+    released once. ``max_parked``: paths kept, in all, for rows that may
+    resume them; ``max_per_key``: of those, paths with one same (length,
+    hash), i.e. identical token sequences."""
 
-    def __init__(self, start_path: Callable, release_path: Callable | None = None,
+    def __init__(self, paths, release_path: Callable | None = None,
                  max_parked: int = 4096, max_per_key: int = _MAX_PER_KEY,
                  token_limit: int = 1 << 62):
         if max_parked < 0 or max_per_key < 1 or token_limit < 1:
             raise ValueError("need max_parked >= 0, max_per_key >= 1 and token_limit >= 1")
         self._token_limit = token_limit  # ids at or above it (or < 0) make a row garbage
         K.kernel.compile()
-        self._start_path = start_path      # prompt tokens -> new path id
-        self._release_path = release_path  # path id -> None, once it is forgotten
-        self._path = np.full(0, -1, np.int64)   # row -> path (-1: none)
-        self._lens = np.full(0, -1, np.int64)   # row -> path length (-1: none)
-        self._tail = np.zeros((0, _TAIL), np.int64)  # row -> path's last tokens
-        self._hash = np.zeros(0, np.uint64)     # row -> hash of the path's whole sequence
-        self._window = np.zeros((0, _MAX_MISSED + 1), np.uint64)  # see K._match
-        self._state = np.zeros(0, np.int64)  # row -> K._IDLE, K._EXACT or K._OTHER this step
-        self._counts = np.zeros(0, np.int64)  # row -> tokens sampled this step
-        self._step_tokens = 0  # their sum
-        # (length, hash) -> paths, oldest first; keys least recently parked first
-        self._parked: OrderedDict[tuple, list] = OrderedDict()
-        self._parked_lengths: dict[int, int] = {}  # length -> parked keys with it
-        self._lengths_sorted: list[int] = []  # those lengths, ascending
-        self._num_parked = 0  # paths in _parked
+        self._paths = paths if hasattr(paths, "start_paths") else _OnePathAtATime(paths, release_path)
+        self._parked = Parked(max_parked, max_per_key)
         self._max_parked = max_parked
         self._max_per_key = max_per_key
-        self.paths_released = 0  # forgotten (handed to release_path), never to resume
+        self._rows = 0
+        self._grow(0, 0)
+        self._flip = 0  # which of the two output buffers the last update filled
+        self._counts = np.zeros(0, np.int64)  # row -> tokens sampled this step
+        self._step_tokens = 0  # their sum
+        self.paths_released = 0  # forgotten (handed to release_paths), never to resume
         self.paths_started = 0
         self.paths_resumed = 0  # taken back from the parked
         self.paths_moved = 0    # found in another row than last step
         self.tokens_missed = 0  # tokens generated while no propose call saw them
         self.rows_rejected = 0  # row-steps skipped for inconsistent inputs
 
+    # per row: path (-1: none), path length (-1: none), state this step (K._IDLE...)
+    _path = property(lambda self: self._rs[0])
+    _lens = property(lambda self: self._rs[1])
+    _state = property(lambda self: self._rs[2])
+    _hash = property(lambda self: self._hs[0])  # hash of the path's whole sequence
+
     @property
     def num_parked(self) -> int:
         """Paths parked for rows that may resume them (at most ``max_parked``)."""
-        return self._num_parked
+        return self._parked.num_parked
 
     @property
     def max_parked(self) -> int:
@@ -126,7 +149,11 @@ class RowTracker:
     @property
     def num_parked_keys(self) -> int:
         """Distinct (length, hash) among the parked paths."""
-        return len(self._parked)
+        return self._parked.num_keys
+
+    def parked(self) -> dict:
+        """{(length, hash): paths, oldest first}, least recently parked key first."""
+        return dict(self._parked.items())
 
     @property
     def step_tokens(self) -> int:
@@ -142,7 +169,7 @@ class RowTracker:
     @property
     def num_rows(self) -> int:
         """Rows the per-row arrays hold: the largest batch seen."""
-        return len(self._lens)
+        return self._rows
 
     def update(self, sampled_token_ids, num_tokens, token_ids) -> RowUpdate:
         """Where each row's new tokens are, and whose they are. Call once per step.
@@ -161,21 +188,27 @@ class RowTracker:
         ends = ends[:num_rows]
         if ends.dtype.kind != "i":  # [] is float
             ends = ends.astype(np.int64)
-        self._grow(num_rows)
+        self._grow(num_rows, token_ids.shape[1])
+        self._parked.reserve(self._rows)  # a step parks at most a path per row
         self._counts = counts
-        (rows, paths, begins, step_ends, contiguous, gone, gone_lens, gone_hashes, moved, missed,
-         unresolved, rejected, self._step_tokens) = K._match(
-            counts, ends, token_ids, self._lens, self._tail, self._hash, self._path,
-            self._state, self._window, self._token_limit)
-        step = RowUpdate(rows, paths, begins, step_ends, contiguous)
+        self._flip ^= 1
+        out, contiguous = self._out[self._flip], self._contiguous[self._flip]
+        pk = self._parked
+        (m, released, moved, missed, unresolved, rejected, resumed, self._step_tokens) = K._match(
+            counts, ends, token_ids, self._token_limit, self._rs, self._hs, self._tails,
+            self._window, self._flags, self._idx, self._scratch, out, contiguous, pk.keys,
+            pk.paths, pk.table, pk.meta, pk.free, self._max_parked, self._max_per_key,
+            self._released)
+        step = RowUpdate(out[0, :m], out[1, :m], out[2, :m], out[3, :m], contiguous[:m])
         self.paths_moved += moved
         self.tokens_missed += missed
         self.rows_rejected += rejected
-        if len(gone):
-            for path, length, h in zip(gone.tolist(), gone_lens.tolist(), gone_hashes.tolist()):
-                self._park(path, (length, h))
+        self.paths_resumed += resumed
+        if released:
+            self.paths_released += released
+            self._paths.release_paths(self._released[:released].copy())
         if unresolved:
-            self._settle(step, token_ids)
+            self._start(step, token_ids, self._idx[1, :unresolved])
         return step
 
     def holding(self):
@@ -187,91 +220,47 @@ class RowTracker:
     def accepted(self, rows, paths, sent) -> tuple[np.ndarray, int, int]:
         """For drafts sent last step (``sent[j]`` tokens to ``paths[j]`` in
         row ``rows[j]``), how many the verifier kept, judged from this step's
-        update, and their sum, and the draft tokens judged. Rows that no
-        longer hold their path contiguously count nothing and get
-        ``sent[j] = 0`` (in place)."""
-        return K._accepted(rows, paths, sent, self._path, self._state, self._counts)
+        update (the tracker's buffer: valid until the next call), and their
+        sum, and the draft tokens judged. Rows that no longer hold their path
+        contiguously count nothing and get ``sent[j] = 0`` (in place)."""
+        accepted = self._accepted[:len(rows)]
+        kept, judged = K._accepted(rows, paths, sent, self._path, self._state, self._counts,
+                                   accepted)
+        return accepted, kept, judged
 
-    def _settle(self, step: RowUpdate, token_ids) -> None:
-        """Rows no former path fits: a parked path resumes, or a new one starts."""
-        for j in np.flatnonzero(step.paths < 0).tolist():
-            i, base = step.rows.item(j), step.begins.item(j)
-            found = self._unpark(i, base)
-            if found is None:
-                path = self._start_path(token_ids[i, :base])
-                self.paths_started += 1
-            else:
-                path, length = found
-                self.paths_resumed += 1
-                self.tokens_missed += base - length
-                step.begins[j] = length
-            self._path[i] = step.paths[j] = path
+    def _start(self, step: RowUpdate, token_ids, js) -> None:
+        """New paths for the rows ``js`` of ``step``, which no former or
+        parked path fits: every token before the first sampled one is the
+        prompt (its hash: the row's window, K._match)."""
+        rows = step.rows[js]
+        ids = np.asarray(self._paths.start_paths(token_ids, rows, step.begins[js],
+                                                 self._window[rows, 0]), np.int64)
+        step.paths[js] = ids
+        self._path[rows] = ids
+        self.paths_started += len(js)
 
-    def _grow(self, rows: int) -> None:
-        if rows > len(self._lens):
-            extra = rows - len(self._lens)
-            self._path = np.concatenate([self._path, np.full(extra, -1, np.int64)])
-            self._lens = np.concatenate([self._lens, np.full(extra, -1, np.int64)])
-            self._tail = np.concatenate([self._tail, np.zeros((extra, _TAIL), np.int64)])
-            self._hash = np.concatenate([self._hash, np.zeros(extra, np.uint64)])
-            self._window = np.zeros((rows, _MAX_MISSED + 1), np.uint64)
-            self._state = np.zeros(rows, np.int64)
-
-    def _park(self, path: int, key: tuple) -> None:
-        bucket = self._parked.get(key)
-        if bucket is None:  # a new key goes in last: the most recently parked
-            self._parked[key] = bucket = []
-            length = key[0]
-            if length not in self._parked_lengths:
-                insort(self._lengths_sorted, length)
-            self._parked_lengths[length] = self._parked_lengths.get(length, 0) + 1
-        else:
-            self._parked.move_to_end(key)
-        bucket.append(path)
-        self._num_parked += 1
-        if len(bucket) > self._max_per_key:  # identical copies: the newest suffice
-            self._release(bucket.pop(0))
-        while self._num_parked > self._max_parked:  # least recently parked key, oldest path
-            key = next(iter(self._parked))
-            bucket = self._parked[key]
-            if len(bucket) == 1:
-                self._drop(key)
-            self._release(bucket.pop(0))
-
-    def _release(self, path: int) -> None:
-        """Forget a path taken out of the parked."""
-        self._num_parked -= 1
-        self.paths_released += 1
-        if self._release_path is not None:
-            self._release_path(path)
-
-    def _unpark(self, row: int, base: int):
-        """(path, length) of a parked path whose sequence is row's first
-        ``base`` tokens or up to ``_MAX_MISSED`` fewer, longest first, or None."""
-        window = self._window  # window[row, d]: hash of the row's first base - d tokens
-        k = (base, window.item(row, 0))
-        if k not in self._parked:  # it may have advanced during missed steps
-            lengths = self._lengths_sorted
-            lo = bisect_left(lengths, max(base - _MAX_MISSED, 1))
-            below = reversed(lengths[lo:bisect_left(lengths, base, lo)])
-            k = next((c for c in ((n, window.item(row, base - n)) for n in below)
-                      if c in self._parked), None)
-            if k is None:
-                return None
-        bucket = self._parked[k]
-        path = bucket.pop()
-        self._num_parked -= 1
-        if not bucket:
-            self._drop(k)
-        return path, k[0]
-
-    def _drop(self, key: tuple) -> list:
-        """Remove a key from the parked; returns its paths (the caller
-        accounts for them)."""
-        left = self._parked_lengths[key[0]] - 1
-        if left:
-            self._parked_lengths[key[0]] = left
-        else:
-            del self._parked_lengths[key[0]]
-            del self._lengths_sorted[bisect_left(self._lengths_sorted, key[0])]
-        return self._parked.pop(key)
+    def _grow(self, rows: int, width: int) -> None:
+        """Per-row arrays for ``rows`` rows (kept: the largest batch seen)
+        and scratch for token rows of ``width``."""
+        if rows > self._rows or not self._rows:
+            old, n = self._rows, max(rows, self._rows)
+            rs = np.full((5, n), -1, np.int64)
+            hs = np.zeros((2, n), np.uint64)
+            tails = np.zeros((2, n, TAIL), np.int64)
+            if old:
+                rs[:2, :old] = self._rs[:2]
+                hs[0, :old] = self._hs[0]
+                tails[0, :old] = self._tails[0]
+            rs[2] = 0
+            self._rs, self._hs, self._tails = rs, hs, tails
+            self._window = np.zeros((n, MAX_MISSED + 1), np.uint64)  # see K._match
+            self._flags = np.zeros((2, n), np.bool_)
+            self._idx = np.zeros((2, n), np.int64)
+            self._out = np.zeros((2, 4, n), np.int64)  # two: last step's stay valid a step
+            self._contiguous = np.zeros((2, n), np.bool_)
+            self._released = np.zeros(2 * n + 2, np.int64)  # a park releases at most two
+            self._accepted = np.zeros(n, np.int64)
+            self._rows = n
+            self._scratch = np.zeros(0, np.uint64)
+        if len(self._scratch) < width + 1:
+            self._scratch = np.zeros(width + 1, np.uint64)  # prefix hashes of one row

@@ -33,6 +33,7 @@ import statistics
 import sys
 import time
 
+from ..machine import loop_line, python_loop_ns
 from ..options import write_jsonl
 
 _T = {"wall": 0.0, "cpu": 0.0}          # device time within the current step
@@ -145,7 +146,7 @@ def measure(llm, batch: int, steps: int) -> dict | None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m evals host-time", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="model directory (default: the embedded model)")
-    ap.add_argument("--batches", type=int, nargs="+", default=[16, 64, 128, 256])
+    ap.add_argument("--batches", type=int, nargs="+", default=[16, 64, 128, 256, 512])
     ap.add_argument("--steps", type=int, default=32, help="decode steps per batch size")
     ap.add_argument("--out", default="results/host_time.jsonl", help="JSONL table to write")
     ap.add_argument("--from-steps", metavar="FILE",
@@ -166,6 +167,7 @@ def main(argv=None) -> int:
     from consensus_spec.model import model_path
 
     model = args.model or model_path()
+    print(loop_line(python_loop_ns()), flush=True)  # how fast this host ran, to compare machines by
     llm = LLM(model=model, gpu_memory_utilization=0.25, max_num_seqs=max(args.batches),
               async_scheduling=False, seed=0)
     name = os.path.basename(model.rstrip("/"))

@@ -22,9 +22,10 @@ import sys
 import tarfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo
-# main before issue 43 (the drafter's per-step host time): what `python -m evals
+# main before issue 50 (new paths and prompts off the Python path; issue 43, the
+# drafter's per-step host time, compared against 287c905): what `python -m evals
 # propose-time` compares against by default
-PREVIOUS = "287c905"
+PREVIOUS = "440a09e"
 
 
 def _git(*args: str) -> bytes:

@@ -1,8 +1,8 @@
 """propose()'s host time per row-step, split by phase: the current code
 against the previous one, in one run.
 
-    python -m evals propose-time [--traces FILE ...] [--limit 100] [--rows 16 64 128 256]
-                                 [--previous 287c905] [--repeats 3] [--out results/propose_time]
+    python -m evals propose-time [--traces FILE ...] [--limit 100] [--rows 16 64 128 256 512]
+                                 [--previous 440a09e] [--repeats 3] [--out results/propose_time]
 
 vLLM runs a custom proposer serially between model steps, so every
 microsecond it takes is added to every step. Each trace set is replayed
@@ -37,11 +37,12 @@ import time
 
 import numpy as np
 
+from ..machine import loop_line, python_loop_ns
 from ..options import add_option_arg, add_trace_args, fail, parse_options, trace_sets, write_results
 from ..replay.drafters import make_drafter
 from ..replay.engine import VirtualClock, replay
 from ..replay.projection import DEFAULT_COSTS, StepCosts
-from ..replay.replay import DEFAULT_TRACES, cpu_reference_s
+from ..replay.replay import DEFAULT_TRACES
 from ..traces import TraceError, load_problems, load_tokenizer, max_len
 from .previous import PREVIOUS, load
 
@@ -294,8 +295,7 @@ def markdown(data: dict, reference: list[float]) -> str:
     lines += ["", "Previous / current, median per row-step: " + ", ".join(
         f"{short(t)} {b} rows {median(by[t, b, 'previous']) / median(by[t, b, 'current']):.2f}x"
         for t, b, c in by if c == "current")]
-    lines.append("\nCPU speed: a fixed pure-Python loop (5M additions) took "
-                 + " / ".join(f"{x:.2f}" for x in reference) + " s of CPU time before / after.")
+    lines.append("\n" + loop_line(*reference))
     return "\n".join(lines)
 
 
@@ -311,7 +311,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m evals propose-time",
                                  description=__doc__.split("\n\n")[0])
     add_trace_args(ap)
-    ap.add_argument("--rows", type=int, nargs="+", default=[16, 64, 128, 256], help="batch sizes")
+    ap.add_argument("--rows", type=int, nargs="+", default=[16, 64, 128, 256, 512], help="batch sizes")
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     ap.add_argument("--repeats", type=int, default=3,
                     help="timed runs of each code per set and batch size")
@@ -331,12 +331,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        reference = [cpu_reference_s()]
+        reference = [python_loop_ns()]
         data = run(args)
-        reference.append(cpu_reference_s())
+        reference.append(python_loop_ns())
     except (TraceError, ValueError) as e:
         return fail(e)
     text = markdown(data, reference)
     print(text)
-    write_results(args.out, {"args": vars(args), "cpu_reference_s": reference, **data}, text)
+    write_results(args.out, {"args": vars(args), "python_loop_ns": reference, **data}, text)
     return 0 if not any(r["lockstep"]["calls_differ"] for r in data["results"]) else 1

@@ -35,47 +35,12 @@ from types import SimpleNamespace
 import numpy as np
 
 from consensus_spec.drafting.drafter import ConsensusDrafter, DrafterOptions
-from consensus_spec.drafting import trie_kernels as TK
-from consensus_spec.drafting.trie_kernels import DEP, TOT, _step  # noqa: F401  (bound compiled)
-from consensus_spec.jit import Kernels
+from consensus_spec.drafting import lagged
+from consensus_spec.drafting.trie_kernels import TOT
 
 DEVICE_LOOKUP_MS = 0.03  # assumed device time per step of the gather (in the CUDA graph)
 KEY_BYTES, TOKEN_BYTES = 8, 4
 ACCOUNT_EVERY = 16
-
-kernel = Kernels(globals(), uses=(TK.kernel,))
-
-
-@kernel
-def _keys(nodes, t0, t1, shift, half, max_depth, min_match, buf, lens, group_roots, cross_root):
-    """Per row, the (group node, cross node) pair the device table's entry for
-    its current context was drafted from; (-1, -1) is a miss."""
-    rows = lens.shape[0]
-    a_out = np.full(rows, -1, np.int64)
-    b_out = np.full(rows, -1, np.int64)
-    for i in range(rows):
-        n = lens[i]
-        start = max(0, n - max_depth)
-        a = group_roots[i]
-        if a >= 0:
-            for j in range(start, n):
-                a = _step(nodes, t0, t1, shift, half, max_depth, a, buf[i, j])
-            d = nodes[a, DEP]
-            if d >= min_match:  # group table hit: key is the last d tokens
-                b = cross_root
-                if b >= 0:
-                    for j in range(n - d, n):
-                        b = _step(nodes, t0, t1, shift, half, max_depth, b, buf[i, j])
-                a_out[i], b_out[i] = a, b
-                continue
-        if cross_root >= 0:  # shared cross-group table
-            b = cross_root
-            for j in range(start, n):
-                b = _step(nodes, t0, t1, shift, half, max_depth, b, buf[i, j])
-            if nodes[b, DEP] >= min_match:
-                b_out[i] = b
-    return a_out, b_out
-
 
 def device_us_per_row(batch: int) -> float:
     """The drafter time the projection charges the device route per row-step:
@@ -92,7 +57,7 @@ class DeviceRouteDrafter:
             raise ValueError("lag must be >= 0")
         self.lag, self.k_at = lag, k_at
         self.drafter = ConsensusDrafter(options or DrafterOptions())
-        kernel.compile()
+        lagged.kernel.compile()  # table_contexts
         self.calls = 0
         self.paths: dict[str, int] = {}       # request id -> drafter path
         self.pending: deque = deque()          # (due call, paths, token lists) not yet appended
@@ -141,12 +106,11 @@ class DeviceRouteDrafter:
     def _lookup(self, paths, batch, lens, k: int) -> list[list[int]]:
         d, o = self.drafter, self.drafter.options
         forest = d.forest
-        d._attached(paths)  # (re)builds any evicted group trie
-        group_roots = np.array([d._path_group[p].root for p in paths.tolist()], np.int64)
-        cross = d._cross_start()
+        group_roots = d.group_roots(paths)  # (re)builds any evicted group trie
+        cross = d.cross_root
         buf = np.asarray(batch.token_ids_cpu[:len(paths)])
-        a, b = _keys(forest._nodes, *forest._tables, forest._shift, forest.half, o.max_depth,
-                     o.min_match, buf, lens, group_roots, cross)
+        a, b = lagged.table_contexts(*forest.arena(), o.max_depth, o.min_match, buf, lens,
+                                     group_roots, cross)
         toks, _, got = forest.draft_many(a, b, o.cross_group_weight, np.full(len(paths), k),
                                          k, 0.0, o.min_match, o.prior)
         drafts = []
@@ -181,7 +145,7 @@ class DeviceRouteDrafter:
         forest.draft_many(dirty, np.full(len(dirty), -1), 0.0, np.full(len(dirty), k), k, 0.0,
                           d.options.min_match, d.options.prior)
         self.refresh_s += time.process_time() - t0
-        roots = {d._path_group[p].root for p in self.paths.values()} | {d._cross_start()}
+        roots = set(d.group_roots(list(self.paths.values()), attach=False).tolist()) | {d.cross_root}
         roots = [r for r in roots if r >= 0]
         entries = int(forest.root_sizes(roots).sum()) - len(roots)  # roots hold no context
         self.accounted.append((k, entries, len(dirty)))

@@ -35,6 +35,11 @@ from .drafters import MACHINE, name_machine, stand_in_config
 
 # the measured H200 table (../shared); a clone without it projects on the budget's model of it
 DEFAULT_COSTS = shared_path("costs", "h200_qwen2.5-7b_step_ms.jsonl")
+# The same measurement at 256 and 512 rows, beyond the shared table's 128, made by this
+# project (python -m evals gpu-step-costs, issue 50; at 64 and 128 rows it read 0.87-1.08
+# of the shared table's GEMM time for the 7B shape, 0.75-0.88 for the 1.5B): a table of
+# a model it covers takes these rows at batch sizes beyond its own.
+LARGE_BATCHES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "h200_large_batches.jsonl")
 
 
 def _along(x: float, xs, ys) -> float:
@@ -58,6 +63,7 @@ def _read_jsonl(path: str, what: str) -> list[dict]:
 
 class StepCosts:
     def __init__(self, rows: list[dict]):
+        self.extended: list[int] = []  # batch sizes taken from LARGE_BATCHES
         by_b: dict[int, list[tuple[float, float]]] = {}
         for r in rows:
             by_b.setdefault(int(r["B"]), []).append((float(r["q"]), float(r["ms"])))
@@ -66,7 +72,16 @@ class StepCosts:
 
     @classmethod
     def load(cls, path: str) -> "StepCosts":
-        return cls(_read_jsonl(path, "step-cost table"))
+        """The table at ``path``, with :data:`LARGE_BATCHES`' rows of its
+        model at batch sizes beyond its largest."""
+        rows = _read_jsonl(path, "step-cost table")
+        top = max((int(r["B"]) for r in rows), default=0)
+        models = {r.get("model") for r in rows} - {None}
+        more = [r for r in _read_jsonl(LARGE_BATCHES, "step-cost table")
+                if len(models) == 1 and r["model"] in models and int(r["B"]) > top]
+        table = cls(rows + more)
+        table.extended = sorted({int(r["B"]) for r in more})
+        return table
 
     @classmethod
     def from_model(cls, name: str) -> "StepCosts":

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
+from ..machine import loop_line, python_loop_ns
 from ..options import add_option_arg, add_trace_args, fail, trace_sets, write_results
 from ..traces import TraceError, load_problems, load_tokenizer
 from .bench import Bench, add_table_args, load_tables, pick_schedule
@@ -201,23 +201,13 @@ def run(args) -> tuple[list[dict], list[dict], dict]:
     return results, sweeps, tuned
 
 
-def cpu_reference_s(n: int = 5_000_000) -> float:
-    """CPU seconds of a fixed pure-Python loop: how fast this machine ran
-    (every drafter time here scales with it; compare runs and machines by it)."""
-    t0 = time.process_time()
-    total = 0
-    for i in range(n):
-        total += i
-    return time.process_time() - t0
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        reference = [] if args.from_json else [cpu_reference_s()]
+        reference = [] if args.from_json else [python_loop_ns()]
         results, sweeps, tuned = reproject(args) if args.from_json else run(args)
         if not args.from_json:
-            reference.append(cpu_reference_s())
+            reference.append(python_loop_ns())
         host = load_tables(args, quiet=True)[1]
     except (TraceError, FileNotFoundError, ValueError, KeyError) as e:
         return fail(e)
@@ -233,12 +223,14 @@ def main(argv=None) -> int:
         table = (f"WHAT-IF projection: measured drafter time × {args.drafter_time_scale:g}"
                  " (not what was measured).\n\n" + table)
     if reference:
-        table += ("\n\nCPU speed during the run: a fixed pure-Python loop (5M additions) took "
-                  + " / ".join(f"{x:.2f}" for x in reference) + " s of CPU time before / after "
-                  "(drafter times scale with it).")
+        table += "\n\n" + loop_line(*reference) + " Drafter times scale with it."
+    costs = load_tables(args, quiet=True)[0]
+    if costs is not None and costs.extended:
+        table += (f"\n\nStep costs at {', '.join(map(str, costs.extended))} rows: this project's "
+                  "H200 measurement (evals/replay/h200_large_batches.jsonl), beyond the table's own.")
     text = (table + ("\n\n" + sweep_table if sweep_table else "")
             + ("\n\nTargets:\n" + "\n".join("- " + c for c in checks) if checks else ""))
     print(text)
-    write_results(args.out, {"args": vars(args), "cpu_reference_s": reference, "results": results,
+    write_results(args.out, {"args": vars(args), "python_loop_ns": reference, "results": results,
                              "sweep": sweeps, "schedules": tuned}, text)
     return 0
