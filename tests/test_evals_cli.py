@@ -40,7 +40,7 @@ def listing() -> dict[str, str]:
     for line in out.stdout.splitlines()[1:]:
         if line.endswith("/"):
             folder = line[:-1]
-        else:
+        elif not line.lstrip().startswith("-"):  # "--isa ...": a global option, not a command
             found[line.split()[0]] = folder
     return found
 

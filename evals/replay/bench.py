@@ -19,6 +19,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
+from consensus_spec.budget import cost_model
 from ..options import parse_options
 from ..traces import max_len
 from .device_drafters import device_us_per_row
@@ -154,9 +155,8 @@ class Bench:
         if scale == 1.0:
             return None
         if self._prior is None:
-            from consensus_spec.budget import COST_MODELS
-            model = dataclasses.replace(COST_MODELS["h200_7b"],
-                                        ms_per_token=COST_MODELS["h200_7b"].ms_per_token * scale)
+            h200 = cost_model("h200_7b")
+            model = dataclasses.replace(h200, ms_per_token=h200.ms_per_token * scale)
             fd, self._prior = tempfile.mkstemp(prefix="replay_prior_", suffix=".jsonl")
             with os.fdopen(fd, "w") as f:
                 f.writelines(json.dumps({"B": b, "q": q, "ms": float(model.step_ms(b, q))}) + "\n"
