@@ -148,9 +148,8 @@ class Bench:
         return self._truth
 
     def prior_table(self) -> str | None:
-        """With ``--prior-scale`` S: the H200 model with its compute cost per
-        token times S, as a table file consensus takes as its cost model (its
-        prior: a prior S times off); None without it."""
+        """With ``--prior-scale`` S: the H200 model with its compute cost per token
+        times S (a prior S times off), as a table consensus takes as its cost model."""
         scale = getattr(self.args, "prior_scale", 1.0)
         if scale == 1.0:
             return None
