@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 
-from .engine_loop import Voting, check_run_options
+from .options import Voting, check_run_options
 from .path_book import FORECAST_STRIDE, PathBook
 from .results import SelfConsistencyRun
 from .stopping import StopRule

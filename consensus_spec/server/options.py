@@ -20,7 +20,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..sampling.engine_loop import Voting, resolve_stop_rule
+from ..sampling.options import Voting, resolve_stop_rule
 from ..sampling.stopping import KINDS, StopRule
 from ..sampling.waves import REST, Schedule
 from ..voting.answers import DEFAULT_TIMEOUT_S, extract_final_answer
