@@ -18,7 +18,7 @@ from ..voting.vote import VoteResult
 from .stopping import StopRule
 from .waves import ALL_AT_ONCE, Schedule
 
-__all__ = ["Voting", "WEIGHT_METHODS", "check_run_options", "resolve_schedule",
+__all__ = ["Voting", "WEIGHT_METHODS", "check_run_options", "check_voting", "resolve_schedule",
            "resolve_stop_rule", "vote_is_settled"]
 
 WEIGHT_METHODS = ("exp_mean", "softmax", "confidence")
@@ -106,13 +106,19 @@ def vote_is_settled(vote: VoteResult, remaining: int, max_weight: float = 1.0) -
     return vote.winner is not None and vote.margin > remaining * max_weight
 
 
+def check_voting(stop_rule: StopRule | None, voting: Voting) -> None:
+    """A weighted vote takes no stop rule (ValueError): stop rules count
+    unweighted votes.  The library's loops and the server both ask here."""
+    if stop_rule is not None and voting.weighted:
+        raise ValueError("stop rules count unweighted votes: weighted voting needs early_stop off")
+
+
 def check_run_options(schedule: Schedule | None, stop_rule: StopRule | None,
                       voting: Voting | None) -> tuple[Schedule, Voting]:
     """Defaults and the one cross-option check both engine loops make."""
     voting = voting or Voting()
     schedule = resolve_schedule(schedule, stop_rule)
-    if stop_rule is not None and voting.weighted:
-        raise ValueError("stop rules count unweighted votes: early stop needs Voting(weighted=False)")
+    check_voting(stop_rule, voting)
     if stop_rule is not None and stop_rule.forecast and schedule.check == "wave":
         raise ValueError("StopRule(forecast=True) votes on running paths: it needs "
                          "Schedule(check='index' or 'path'), not 'wave'")
