@@ -90,11 +90,9 @@ def run_paths(
     on too (needs DELTA outputs).  Returns the run without
     spec-decode stats (the caller reads those from vLLM).
     """
-    schedule, voting = check_run_options(schedule, stop_rule, voting)
+    schedule, voting = check_run_options(schedule, stop_rule, voting, delta)
     if engine.has_unfinished_requests():
         raise RuntimeError("self_consistency needs an idle engine")
-    if stop_rule is not None and stop_rule.forecast and not delta:
-        raise ValueError("StopRule(forecast=True) reads running paths' text: it needs DELTA outputs")
     book = PathBook(len(prompts), n, schedule, stop_rule, voting, max_tokens, prior=prior,
                     forecast_model=forecast_model)
     planner = book.planner

@@ -114,12 +114,15 @@ def check_voting(stop_rule: StopRule | None, voting: Voting) -> None:
 
 
 def check_run_options(schedule: Schedule | None, stop_rule: StopRule | None,
-                      voting: Voting | None) -> tuple[Schedule, Voting]:
-    """Defaults and the one cross-option check both engine loops make."""
+                      voting: Voting | None, delta: bool) -> tuple[Schedule, Voting]:
+    """Defaults and the checks both engine loops make (``delta``: the paths
+    stream DELTA outputs)."""
     voting = voting or Voting()
     schedule = resolve_schedule(schedule, stop_rule)
     check_voting(stop_rule, voting)
     if stop_rule is not None and stop_rule.forecast and schedule.check == "wave":
         raise ValueError("StopRule(forecast=True) votes on running paths: it needs "
                          "Schedule(check='index' or 'path'), not 'wave'")
+    if stop_rule is not None and stop_rule.forecast and not delta:
+        raise ValueError("StopRule(forecast=True) reads running paths' text: it needs DELTA outputs")
     return schedule, voting
