@@ -22,7 +22,7 @@ RULE_PARAMS = {"bayes": ("error", float), "sequential": ("error", float), "predi
 
 def parse_early_stop(values: list[str] | None) -> list:
     """``--early-stop`` values -> list of StopRule (None: off)."""
-    from consensus_spec.sampling.engine_loop import resolve_stop_rule
+    from consensus_spec.sampling.options import resolve_stop_rule
     from consensus_spec.sampling.stopping import KINDS, StopRule
 
     if values is None:

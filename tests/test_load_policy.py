@@ -71,7 +71,7 @@ def test_the_decided_vote_is_exact_and_reported(monkeypatch):
     result; a peer's rule (published as its authors' code) has no such stop."""
     from types import SimpleNamespace
 
-    from consensus_spec.sampling.engine_loop import Voting
+    from consensus_spec.sampling.options import Voting
     from consensus_spec.sampling.path_book import PathBook
     from consensus_spec.sampling.stopping import StopRule
     from consensus_spec.server.protocol import stop_reason

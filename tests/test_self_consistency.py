@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import math_verify  # noqa: F401 - declared dependency: a missing one fails, never skips
 import pytest
 
-from consensus_spec.sampling.engine_loop import resolve_stop_rule  # noqa: E402
-from consensus_spec.sampling.engine_loop import should_stop as old_should_stop  # noqa: E402
+from consensus_spec.sampling.options import resolve_stop_rule, vote_is_settled  # noqa: E402
+from consensus_spec.sampling.path_book import _tokens_saved  # noqa: E402
 from consensus_spec.sampling.self_consistency import (  # noqa: E402
     Schedule,
     SpecDecodeStats,
@@ -19,7 +19,6 @@ from consensus_spec.sampling.self_consistency import (  # noqa: E402
     Voting,
     _removed_keywords,
     _render_prompt,
-    _tokens_saved,
     read_spec_counters,
     run_paths,
     self_consistency,
@@ -366,10 +365,10 @@ def test_tokens_saved_estimate():
 
 def test_old_exact_rule_kept_for_reference():
     v = majority_vote(["5", "5", "5", "7"])  # lead 2
-    assert old_should_stop(v, remaining=1) and not old_should_stop(v, remaining=2)
-    assert not old_should_stop(majority_vote([None, None]), remaining=0)
+    assert vote_is_settled(v, remaining=1) and not vote_is_settled(v, remaining=2)
+    assert not vote_is_settled(majority_vote([None, None]), remaining=0)
     weighted = majority_vote(["5", "7"], weights=[0.9, 0.2])
-    assert old_should_stop(weighted, remaining=0) and not old_should_stop(weighted, remaining=1)
+    assert vote_is_settled(weighted, remaining=0) and not vote_is_settled(weighted, remaining=1)
 
 
 # ---------------------------------------------------------------------------

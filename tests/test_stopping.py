@@ -11,7 +11,7 @@ import pytest
 
 import scipy  # noqa: F401,E402 - declared dependency: a missing one fails, never skips
 
-from consensus_spec.sampling.engine_loop import should_stop as engine_should_stop  # noqa: E402
+from consensus_spec.sampling.options import vote_is_settled  # noqa: E402
 from consensus_spec.sampling.stopping import (  # noqa: E402
     StopRule,
     _flip_probability,
@@ -70,7 +70,7 @@ def test_decided_matches_the_engine_rule_on_answers():
     for _ in range(200):
         answers = [rng.choice(pool) for _ in range(rng.randint(1, 8))]
         remaining = rng.randint(0, 6)
-        expect = remaining > 0 and engine_should_stop(majority_vote(answers), remaining)
+        expect = remaining > 0 and vote_is_settled(majority_vote(answers), remaining)
         assert should_stop(answers, remaining, kind="decided") == expect
 
 

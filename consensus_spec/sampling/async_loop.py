@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 
-from .engine_loop import Voting, check_run_options
+from .options import Voting, check_run_options
 from .path_book import FORECAST_STRIDE, PathBook
 from .results import SelfConsistencyRun
 from .stopping import StopRule
@@ -84,9 +84,7 @@ async def run_paths_async(
     :data:`~consensus_spec.sampling.path_book.FORECAST_STRIDE` tokens the
     running paths' forecasts are voted on too (``forecast_model``).
     """
-    schedule, voting = check_run_options(schedule, stop_rule, voting)
-    if stop_rule is not None and stop_rule.forecast and not delta:
-        raise ValueError("StopRule(forecast=True) reads running paths' text: it needs DELTA outputs")
+    schedule, voting = check_run_options(schedule, stop_rule, voting, delta)
     book = PathBook(len(prompts), n, schedule, stop_rule, voting, max_tokens, on_vote, idle_rows,
                     run_ahead, keep_outputs, prior, forecast_model)
     if on_start is not None:

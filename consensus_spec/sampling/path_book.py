@@ -14,20 +14,18 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from ..voting.answers import answers_equal
 from ..voting.confidence import confidence_weights
 from ..voting.vote import VoteResult, logprob_weights, majority_vote
 from .answer_prior import AnswerPrior
 from .forecast import ForecastModel, ForecastScore, InFlightCheck
+from .options import Voting
 from .results import ProblemResult, Sample, SelfConsistencyRun
 from .stopping import PEERS, StopRule
 from .stopping import should_stop as rule_says_stop
 from .waves import PathPlanner, Schedule
-
-if TYPE_CHECKING:
-    from .engine_loop import Voting
 
 __all__ = ["FORECAST_STRIDE", "PathBook"]
 

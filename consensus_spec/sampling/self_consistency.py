@@ -6,8 +6,9 @@ may stop the problem early (adaptive self-consistency), while waves of other
 problems keep the batch full.  Options come in three frozen configs:
 :class:`~consensus_spec.sampling.waves.Schedule` (waves, capacity, when to check),
 :class:`~consensus_spec.sampling.stopping.StopRule` (when a vote may stop) and
-:class:`~consensus_spec.sampling.engine_loop.Voting` (answer extraction, weights).  The
-pure planner is :mod:`consensus_spec.sampling.waves`, the engine loop
+:class:`~consensus_spec.sampling.options.Voting` (answer extraction, weights), resolved
+and checked in :mod:`consensus_spec.sampling.options`.  The pure planner is
+:mod:`consensus_spec.sampling.waves`, the engine loop
 :mod:`consensus_spec.sampling.engine_loop`, result types :mod:`consensus_spec.sampling.results`;
 their names are importable from here too.
 
@@ -23,15 +24,8 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 from .results import ProblemResult, Sample, SelfConsistencyRun, SpecDecodeStats  # noqa: F401
-from .engine_loop import (  # noqa: F401  (_tokens_saved: re-exported for tests)
-    Voting,
-    _tokens_saved,
-    read_spec_counters,
-    resolve_schedule,
-    resolve_stop_rule,
-    run_paths,
-    spec_stats_delta,
-)
+from .engine_loop import read_spec_counters, run_paths, spec_stats_delta
+from .options import Voting, resolve_schedule, resolve_stop_rule
 from .answer_prior import AnswerPrior
 from .stopping import StopRule
 from .waves import ALL_AT_ONCE, PathPlanner, Schedule

@@ -20,9 +20,9 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..sampling.engine_loop import Voting, resolve_stop_rule
+from ..sampling.options import Voting, check_voting, resolve_schedule, resolve_stop_rule
 from ..sampling.stopping import KINDS, StopRule
-from ..sampling.waves import REST, Schedule
+from ..sampling.waves import Schedule
 from ..voting.answers import DEFAULT_TIMEOUT_S, extract_final_answer
 from ..voting.patterns import AnswerPattern
 
@@ -178,9 +178,7 @@ def resolve_options(opts: RunOptionsIn, limits: Limits) -> RunOptions:
     except ValueError as e:
         raise BadRequest("schedule", str(e)) from None
     auto = schedule is None and stop_rule is not None
-    if schedule is None:
-        schedule = Schedule() if stop_rule is not None else Schedule(waves=(REST,))
-    schedule = dataclasses.replace(schedule, capacity=limits.max_inflight)
+    schedule = dataclasses.replace(resolve_schedule(schedule, stop_rule), capacity=limits.max_inflight)
     pattern = opts.answer_pattern
     try:
         if pattern is None:
@@ -195,9 +193,10 @@ def resolve_options(opts: RunOptionsIn, limits: Limits) -> RunOptions:
                     confidence_keep=opts.voting.confidence_keep,
                     confidence_window=opts.voting.confidence_window,
                     timeout_s=opts.voting.timeout_s, extract=extract)
-    if stop_rule is not None and voting.weighted:
-        raise BadRequest("voting.weighted", "stop rules count unweighted votes: "
-                         "weighted voting needs early_stop=false")
+    try:
+        check_voting(stop_rule, voting)
+    except ValueError as e:
+        raise BadRequest("voting.weighted", str(e)) from None
     return RunOptions(stop_rule, schedule, voting, opts.return_paths, opts.choices, auto)
 
 

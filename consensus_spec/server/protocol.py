@@ -5,7 +5,7 @@ Names shared with ``/v1/completions`` keep their meaning there (``model``,
 ``stop``, ``stream``); the rest are the library's options
 (:class:`~consensus_spec.sampling.stopping.StopRule`,
 :class:`~consensus_spec.sampling.waves.Schedule`,
-:class:`~consensus_spec.sampling.engine_loop.Voting`).  Parsing is strict:
+:class:`~consensus_spec.sampling.options.Voting`).  Parsing is strict:
 unknown keys and wrong types are errors that name the field
 (:class:`BadRequest`, answered 400); no vLLM import here.
 """
