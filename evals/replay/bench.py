@@ -7,13 +7,11 @@ replay reuses its timing and tables."""
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import json
 import math
 import os
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -141,10 +139,7 @@ class Bench:
         if self.costs is None:
             raise ValueError("consensus-truth needs a --costs table")
         if self._truth is None:
-            fd, self._truth = tempfile.mkstemp(prefix="replay_truth_", suffix=".jsonl")
-            with os.fdopen(fd, "w") as f:
-                f.writelines(json.dumps(row) + "\n" for row in self.costs.rows())
-            atexit.register(os.unlink, self._truth)
+            self._truth = self.costs.to_file("replay_truth_")
         return self._truth
 
     def prior_table(self) -> str | None:
@@ -156,11 +151,7 @@ class Bench:
         if self._prior is None:
             h200 = cost_model("h200_7b")
             model = dataclasses.replace(h200, ms_per_token=h200.ms_per_token * scale)
-            fd, self._prior = tempfile.mkstemp(prefix="replay_prior_", suffix=".jsonl")
-            with os.fdopen(fd, "w") as f:
-                f.writelines(json.dumps({"B": b, "q": q, "ms": float(model.step_ms(b, q))}) + "\n"
-                             for b in (1, 8, 16, 32, 64, 128, 256) for q in (1, 2, 3, 5, 9, 17))
-            atexit.register(os.unlink, self._prior)
+            self._prior = StepCosts.from_model(model).to_file("replay_prior_")
         return self._prior
 
     def clock(self, method: str) -> VirtualClock | None:

@@ -22,6 +22,7 @@ another CPU than a GPU server's.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -84,11 +85,11 @@ class StepCosts:
         return table
 
     @classmethod
-    def from_model(cls, name: str) -> "StepCosts":
-        """A table of one of the budget's cost models, on the measured H200
-        table's grid (B 1..256, 1..17 tokens per row)."""
+    def from_model(cls, name) -> "StepCosts":
+        """A table of one of the budget's cost models (a name, or the model
+        itself), on the measured H200 table's grid (B 1..256, 1..17 tokens per row)."""
         from consensus_spec.budget import cost_model
-        model = cost_model(name)
+        model = cost_model(name) if isinstance(name, str) else name
         return cls([{"B": b, "q": q, "ms": float(model.step_ms(b, q))}
                     for b in (1, 8, 16, 32, 64, 128, 256) for q in (1, 2, 3, 5, 9, 17)])
 
@@ -102,6 +103,14 @@ class StepCosts:
         """The table as {"B", "q", "ms"} rows (what it was read from, scaled)."""
         return [{"B": b, "q": float(q), "ms": float(m)}
                 for b, (qs, ms) in sorted(self._table.items()) for q, m in zip(qs, ms)]
+
+    def to_file(self, prefix: str) -> str:
+        """:meth:`rows` as a JSONL file (removed at exit): a cost model a budget takes."""
+        fd, path = tempfile.mkstemp(prefix=prefix, suffix=".jsonl")
+        with os.fdopen(fd, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in self.rows())
+        atexit.register(os.unlink, path)
+        return path
 
     @property
     def batch_sizes(self) -> list[int]:
