@@ -7,7 +7,8 @@ key the tracker computed is the drafter's too.
 ``table`` is a power-of-two int64 array of row ids (-1: empty slot), kept at
 most half full by its owner; a row's key is ``lens[row]``, ``hashes[row]``
 (the hash's bits as int64). Linear probing; removal shifts the rest of the
-probe cluster back (no tombstones), so lookups never slow down with churn.
+probe cluster back (no tombstones), so lookups never slow down with churn. Both keep their
+rows in recency order too (:func:`lru_append`, :func:`lru_unlink`).
 """
 
 from __future__ import annotations
@@ -87,6 +88,33 @@ def remove(table, lens, hashes, row):
             table[i] = table[j]
             i = j
     table[i] = -1
+
+
+@kernel
+def lru_unlink(prev, nxt, ends, r):
+    """Take row ``r`` out of a recency list over the caller's rows: ``prev``
+    and ``nxt`` its rows' links (-1: none), ``ends`` the oldest and newest row."""
+    p, n = prev[r], nxt[r]
+    if p >= 0:
+        nxt[p] = n
+    else:
+        ends[0] = n
+    if n >= 0:
+        prev[n] = p
+    else:
+        ends[1] = p
+
+
+@kernel
+def lru_append(prev, nxt, ends, r):
+    """Row ``r`` becomes the newest of the recency list (see :func:`lru_unlink`)."""
+    last = ends[1]
+    prev[r], nxt[r] = last, -1
+    if last >= 0:
+        nxt[last] = r
+    else:
+        ends[0] = r
+    ends[1] = r
 
 
 def rebuilt(size: int, lens: np.ndarray, hashes: np.ndarray, rows) -> np.ndarray:

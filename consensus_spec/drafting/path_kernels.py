@@ -28,7 +28,7 @@ import numpy as np
 
 from .. import keymap
 from ..jit import Kernels
-from ..keymap import EMPTY, find, insert, remove, seq_hash  # noqa: F401  (bound compiled)
+from ..keymap import EMPTY, find, insert, lru_append, lru_unlink, remove, seq_hash  # noqa: F401  (bound compiled)
 from . import trie_kernels as TK
 from .trie_kernels import UNSET, append, draft_into, extend_into, room  # noqa: F401  (bound compiled)
 
@@ -61,26 +61,12 @@ def tail_length(prompt_tokens, length):
 
 @kernel
 def _unlink(groups, reg, g):
-    p, n = groups[g, PREV], groups[g, NEXT]
-    if p >= 0:
-        groups[p, NEXT] = n
-    else:
-        reg[OLDEST] = n
-    if n >= 0:
-        groups[n, PREV] = p
-    else:
-        reg[NEWEST] = p
+    lru_unlink(groups[:, PREV], groups[:, NEXT], reg[OLDEST:NEWEST + 1], g)
 
 
 @kernel
 def _append_lru(groups, reg, g):
-    last = reg[NEWEST]
-    groups[g, PREV], groups[g, NEXT] = last, -1
-    if last >= 0:
-        groups[last, NEXT] = g
-    else:
-        reg[OLDEST] = g
-    reg[NEWEST] = g
+    lru_append(groups[:, PREV], groups[:, NEXT], reg[OLDEST:NEWEST + 1], g)
 
 
 @kernel

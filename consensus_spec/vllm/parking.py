@@ -25,7 +25,7 @@ import numpy as np
 
 from .. import keymap
 from ..jit import Kernels
-from ..keymap import find, insert, remove  # noqa: F401  (bound compiled)
+from ..keymap import find, insert, lru_append, lru_unlink, remove  # noqa: F401  (bound compiled)
 
 LEN, HASH, PREV, NEXT, COUNT = range(5)
 OLDEST, NEWEST, KEYS, PARKED, FREE = range(5)
@@ -35,27 +35,13 @@ kernel = Kernels(globals(), uses=(keymap.kernel,))
 
 @kernel
 def _unlink(keys, meta, r):
-    p, n = keys[r, PREV], keys[r, NEXT]
-    if p >= 0:
-        keys[p, NEXT] = n
-    else:
-        meta[OLDEST] = n
-    if n >= 0:
-        keys[n, PREV] = p
-    else:
-        meta[NEWEST] = p
+    lru_unlink(keys[:, PREV], keys[:, NEXT], meta[OLDEST:NEWEST + 1], r)
 
 
 @kernel
 def _append(keys, meta, r):
     """Row r becomes the most recently parked key."""
-    last = meta[NEWEST]
-    keys[r, PREV], keys[r, NEXT] = last, -1
-    if last >= 0:
-        keys[last, NEXT] = r
-    else:
-        meta[OLDEST] = r
-    meta[NEWEST] = r
+    lru_append(keys[:, PREV], keys[:, NEXT], meta[OLDEST:NEWEST + 1], r)
 
 
 @kernel
