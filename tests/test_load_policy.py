@@ -20,8 +20,20 @@ def test_every_path_at_once_while_every_problem_in_flight_fits_in_the_batch():
     # one more problem in flight: n at once would queue, so it waves
     load = EngineLoad(max_rows=128, rows_busy=128, problem_rows=8 * 16, problems_in_flight=8)
     schedule, choice = choose_schedule(load, 1, 16, WAVES_OF_2)
-    assert choice.mode == WAVES and schedule == WAVES_OF_2 and choice.schedule == "2"
+    assert choice.mode == WAVES and schedule.waves == (4, 4, "rest")  # 9 x 4 fit in 64 rows
     assert choice.rows_wanted == 144 and choice.as_dict()["max_rows"] == 128
+
+
+def test_few_waves_while_each_problems_wave_of_4_fits_in_half_the_batch():
+    # 16 problems in flight (this one too) x 4 = 64 of 128 rows: waves of 4, 4, rest
+    load = EngineLoad(max_rows=128, rows_busy=100, problem_rows=15 * 16, problems_in_flight=15)
+    schedule, choice = choose_schedule(load, 1, 16, WAVES_OF_2)
+    assert choice.mode == WAVES and schedule.waves == (4, 4, "rest") and choice.schedule == "4,4,rest"
+    assert schedule.capacity == 64 and "waves of 4 for 16 problems" in choice.reason
+    assert schedule.sizes(16) == [4, 4, 8]
+    # 17: 68 rows would be more than half the batch, so waves of 2
+    load = EngineLoad(max_rows=128, rows_busy=100, problem_rows=16 * 16, problems_in_flight=16)
+    assert choose_schedule(load, 1, 16, WAVES_OF_2)[0] == WAVES_OF_2
 
 
 def test_a_problem_counts_its_n_paths_however_few_it_runs_now():
@@ -146,7 +158,7 @@ def test_the_server_counts_problems_in_flight_and_reports_each_choice():
     assert run(auto)[0].mode == ALL
     st.problems["other"] = [4, 16]
     choice, result = run(auto)
-    assert choice.mode == WAVES and result.config["schedule"] == "2"
+    assert choice.mode == WAVES and result.config["schedule"] == "4,4,rest"  # 5 x 4 fit in 32 rows
     costs.record(0, running=20, drafted=0, prefill=False, waiting=3)  # 23 rows, none ours
     st.problems.pop("other")
     choice, _ = run(auto)

@@ -248,6 +248,17 @@ def test_evaluate_on_tiny_traces(every_path):
     assert s["full_tokens"] == 8 * (5 + 10 + 1)
 
 
+def test_answer_wait_is_the_longest_path_voted_on(every_path):
+    # window: answers 0,0,0,1,0,0 of 10..60 tokens; decided stops after 5 paths (4-1 > 1 left),
+    # so alone with every path at once the answer waits for the 50-token path of 60
+    r = every_path["sets"]["window"]["rules"]["decided"]
+    assert r["samples_per_problem"] == 5
+    assert r["answer_wait_frac"] == pytest.approx(50 / 60)
+    assert r["shortest_first"]["answer_wait_frac"] == pytest.approx(50 / 60)  # already shortest first
+    easy = every_path["sets"]["tiny"]["rules"]["decided"]  # equal lengths: no stop can answer sooner
+    assert easy["answer_wait_frac"] == 1.0
+
+
 def test_decided_agrees_with_full_n_on_random_sets(every_path):
     r = every_path["sets"]["random"]["rules"]["decided"]
     assert r["agreement"] == r["agreement_perm_worst"] == r["shortest_first"]["agreement"] == 1.0

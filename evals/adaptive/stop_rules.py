@@ -176,10 +176,13 @@ def evaluate(traces: list[VoteTrace], prepared: dict, candidates: list[Candidate
         for name, per in prepared.items():
             prior = AnswerPrior(base.components, base.base_mix, learn=cand.learn) \
                 if rule.kind == "bayes" else None
-            runs = []
+            runs, waits = [], []
             for ids, tokens, ours, every, tallies in per:
                 run = replay_order(ids, tokens, rule, every if rule.kind in PEERS else ours, tallies, prior)
                 runs.append(run)
+                # alone on an engine, every path at once, a token a step: the answer waits for
+                # the longest path voted on, a full vote for the longest of all
+                waits.append(max(tokens[:run[0]]) / max(max(tokens), 1))
                 if prior is not None:  # the run's prior sees the problem's final vote
                     counts = [c for _, c in tallies[run[0]]]
                     prior.observe(counts, run[0] - sum(counts), run[1] / run[0])
@@ -192,6 +195,7 @@ def evaluate(traces: list[VoteTrace], prepared: dict, candidates: list[Candidate
             by_order[name] = {
                 "samples_per_problem": used / len(traces), "samples_frac": used / n_samples,
                 "tokens_frac": sum(r[1] for r in runs) / full_tokens, "agreement": sum(agree) / len(traces),
+                "answer_wait_frac": sum(waits) / len(waits),
                 "hard_agreement": sum(a and h for a, h in zip(agree, hard)) / sum(hard) if any(hard) else None,
                 "gold_acc": gold_stop / len(graded) if graded else None,
                 "gold_acc_full": gold_full / len(graded) if graded else None,
@@ -199,6 +203,7 @@ def evaluate(traces: list[VoteTrace], prepared: dict, candidates: list[Candidate
         perm = [v for k, v in by_order.items() if k.startswith("perm")]
         summary_ = {**by_order["recorded"], "shortest_first": by_order["shortest"]}
         for key, worst in (("agreement", min), ("hard_agreement", min), ("tokens_frac", max),
+                           ("answer_wait_frac", max),
                            ("gold_acc", min), ("gold_acc_full", min)):  # --perms >= 1
             vals = [p[key] for p in perm if p[key] is not None]
             summary_[f"{key}_perm_mean"] = sum(vals) / len(vals) if vals else None

@@ -129,6 +129,23 @@ def peers_table(sets: dict[str, dict], default: str) -> str:
     return "\n".join(lines)
 
 
+def wait_table(sets: dict[str, dict], default: str) -> str:
+    """What stopping can do for one problem alone with every path at once (a
+    token a step): the answer waits for the longest path the vote used, in
+    path order (random orders, what the engine does) and shortest first
+    (the finishing order, biased to short answers), as a share of the longest path."""
+    lines = ["| alone, all paths at once: the default's wait for its answer / the last path's | "
+             "path order | agreement | shortest first | agreement |", "|---|---|---|---|---|"]
+    for name, s in sets.items():
+        r = s["rules"][default]
+        if "answer_wait_frac_perm_mean" not in r:  # a result saved before this column
+            continue
+        first = r["shortest_first"]
+        lines.append(f"| {name} | {pct(r['answer_wait_frac_perm_mean'])}% | {pct(r['agreement_perm_mean'], 2)}% | "
+                     f"{pct(first['answer_wait_frac'])}% | {pct(first['agreement'], 2)}% |")
+    return "\n".join(lines)
+
+
 def gold(r: dict) -> str:
     return "-" if gold_full(r) is None else f"{pct(r.get('gold_acc_perm_mean'), 2)} / {pct(gold_full(r), 2)}"
 
@@ -173,7 +190,7 @@ def markdown(sets: dict[str, dict], default: str, folds: dict[str, list[dict]]) 
     """Tables: the default beside the peers, the folds (``folds``: title ->
     folds), every rule per set, and the summary."""
     text = ["**Ours beside the peers (tokens % / agreement %, mean of the random orders)**", "",
-            peers_table(sets, default), ""]
+            peers_table(sets, default), "", wait_table(sets, default), ""]
     for title, fs in folds.items():
         if fs:
             text += [loso_table(fs, title), ""]
