@@ -134,7 +134,7 @@ def wait_table(sets: dict[str, dict], default: str) -> str:
     token a step): the answer waits for the longest path the vote used, in
     path order (random orders, what the engine does) and shortest first
     (the finishing order, biased to short answers), as a share of the longest path."""
-    lines = ["| alone, all paths at once: the default's wait for its answer / the last path's | "
+    lines = [f"| alone, all paths at once: {default}'s wait for its answer / the last path's | "
              "path order | agreement | shortest first | agreement |", "|---|---|---|---|---|"]
     for name, s in sets.items():
         r = s["rules"][default]

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import json
 import math
 import os
 import statistics
@@ -272,6 +273,18 @@ def markdown(table: dict, args, rows: int | None) -> str:
     return "\n".join(lines)
 
 
+def saved_runs(paths) -> dict:
+    """The runs ``--out`` files saved, by row limit (None: the flag left out),
+    concurrency keys back to ints."""
+    runs: dict = {}
+    for path in paths:
+        saved = json.loads(Path(path).read_text(encoding="utf-8"))
+        for rows, rr in saved["runs"].items():
+            runs.setdefault(None if rows == "None" else int(rows), []).extend(
+                {c: {int(k): v for k, v in by.items()} for c, by in r.items()} for r in rr)
+    return runs
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m evals serve-sc", description=__doc__.split("\n\n")[0])
     ap.add_argument("--problems", type=int, default=24, help="test problems per concurrency level")
@@ -299,6 +312,9 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     ap.add_argument("--out", type=Path, help="JSON of every request and the table")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/serve_sc_logs"))
+    ap.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
+                    help="start no server: one table of the runs earlier --out files saved (runs "
+                         "split with --first-run); give the flags those runs were given")
     args = ap.parse_args(argv)
     try:
         args.rows = [None if r.strip() == "default" else int(r) for r in args.max_num_seqs.split(",")]
@@ -319,10 +335,21 @@ def main(argv=None) -> int:
     probs, warm = probs[:args.problems], probs[args.problems:]
     print(f"serve-sc: configs {args.configs}, concurrency {args.concurrency}, "
           f"{args.problems} problems, n {args.n}, {args.runs} run(s); cpus {os.cpu_count()}")
-    runs = {rows: [] for rows in args.rows}
-    for run in range(args.first_run, args.first_run + args.runs):
-        for rows in args.rows:
-            runs[rows].append(run_configs(args, probs, run, rows, warm))
+    if args.merge:
+        try:
+            runs = saved_runs(args.merge)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            ap.error(f"--merge: not a serve-sc --out file ({e})")
+        missing = [(c, k) for rr in runs.values() for r in rr for c in args.configs
+                   for k in args.concurrency if k not in r.get(c, {})]
+        if missing:
+            ap.error(f"--merge: the files hold no run of {missing[0]}: give the flags they ran with")
+        args.rows, args.runs = list(runs), len(next(iter(runs.values())))
+    else:
+        runs = {rows: [] for rows in args.rows}
+        for run in range(args.first_run, args.first_run + args.runs):
+            for rows in args.rows:
+                runs[rows].append(run_configs(args, probs, run, rows, warm))
     tables = {rows: summarize(runs[rows], probs, args) for rows in args.rows}
     for rows, table in tables.items():
         print(markdown(table, args, rows))
