@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from consensus_spec.sampling.options import parse_stop_rule
+from consensus_spec.sampling.options import parse_stop_rule, text_value
 from consensus_spec.sampling.stopping import StopRule
 
 from .traces import shared_path
@@ -42,10 +42,7 @@ def parse_options(pairs: list[str]) -> dict:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise ValueError(f"--option expects KEY=VALUE, got {pair!r}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
+        out[key] = text_value(value)
     return out
 
 

@@ -5,13 +5,17 @@ taken by all three with nothing else to change."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 
 from consensus_spec.sampling import options
-from consensus_spec.sampling.options import (OptionError, Voting, option_fields, parse_schedule,
-                                             parse_stop_rule, parse_voting)
+from consensus_spec.sampling.async_loop import run_paths_async
+from consensus_spec.sampling.engine_loop import run_paths
+from consensus_spec.sampling.options import (LoopOptions, OptionError, Voting, option_fields,
+                                             parse_schedule, parse_stop_rule, parse_voting)
 from consensus_spec.sampling.stopping import StopRule
 from consensus_spec.sampling.waves import Schedule
 from consensus_spec.server.options import (SERVER_SET, BadRequest, Limits, parse_defaults,
@@ -43,8 +47,8 @@ def test_every_outside_form_reads_the_same_rule():
     assert parse_stop_rule("3") == parse_stop_rule(3) == StopRule(kind="margin", margin=3, min_samples=1)
     assert parse_stop_rule("on+forecast") == StopRule(forecast=True)
     assert parse_schedule("4,rest+path-check") == parse_schedule({"waves": [4, "rest"], "check": "path"})
-    assert parse_voting("softmax") == parse_voting({"weighted": True, "weight_method": "softmax"})
-    assert parse_voting(None) == Voting() and parse_voting(True) == Voting(weighted=True)
+    assert parse_voting(None) == parse_voting({}) == Voting()
+    assert parse_voting({"weighted": True}, extract=str.strip) == Voting(weighted=True, extract=str.strip)
 
 
 @pytest.mark.parametrize("value,field", [
@@ -108,3 +112,30 @@ def test_a_new_field_reaches_the_library_the_server_and_the_cli(monkeypatch):
     assert e.value.param == "early_stop.patience" and "patience must be an int" in str(e.value)
     with pytest.raises(UsageError, match="patience must be an int"):
         parse_early_stop(["bayes:patience=x"])
+
+
+def test_both_loops_take_one_options_object_and_make_one_check():
+    """run_paths and run_paths_async read LoopOptions (or its fields as
+    keywords) and refuse the same combinations with the same error."""
+    engine = SimpleNamespace(has_unfinished_requests=lambda: False)
+
+    async def nothing(*args):
+        raise AssertionError("nothing may run")
+
+    loops = {"run_paths": lambda **kw: run_paths(engine, ["q"], lambda p, k: None, 4, **kw),
+             "run_paths_async": lambda **kw: asyncio.run(
+                 run_paths_async(nothing, nothing, ["q"], lambda p, k: None, 4, **kw))}
+    bad = [(dict(stop_rule=StopRule(forecast=True)), "DELTA outputs"),
+           (dict(options=LoopOptions(stop_rule="on+forecast", delta=True), schedule="2+wave-check"),
+            "not 'wave'"),
+           (dict(stop_rule="decided", voting={"weighted": True}), "weighted voting needs early_stop off"),
+           (dict(stop_rule="sometimes"), "a stop rule is")]
+    for name, loop in loops.items():
+        for kwargs, match in bad:
+            with pytest.raises(ValueError, match=match):
+                loop(**kwargs)
+        with pytest.raises(TypeError, match=f"{name}\\(\\) got an unexpected keyword argument 'scouts'"):
+            loop(scouts=2)
+    checked = LoopOptions.of(None, {"stop_rule": "decided", "schedule": "4"}, "run_paths")
+    assert checked == LoopOptions(Schedule(waves=(4,)), StopRule(kind="decided"), Voting())
+    assert LoopOptions().checked().schedule.all_at_once  # no stop rule: every path at once

@@ -3,8 +3,8 @@ place: how paths are voted (:class:`Voting`), the one parser per option type
 from every outside form (:func:`parse_stop_rule`, :func:`parse_schedule`,
 :func:`parse_voting`: the library's arguments, the server's JSON, the evals'
 command lines), the default schedule (:func:`resolve_schedule`) and the
-checks that combine them (:func:`check_run_options`), which both engine
-loops (:mod:`~consensus_spec.sampling.engine_loop`,
+checks that combine them (:class:`LoopOptions`, :func:`check_voting`),
+which both engine loops (:mod:`~consensus_spec.sampling.engine_loop`,
 :mod:`~consensus_spec.sampling.async_loop`) and the server make.
 
 The keys an object form takes are the dataclass's fields
@@ -28,8 +28,8 @@ from ..voting.vote import VoteResult
 from .stopping import KINDS, MAIN_FIELD, StopRule
 from .waves import ALL_AT_ONCE, Schedule
 
-__all__ = ["OptionError", "Voting", "WEIGHT_METHODS", "check_run_options", "check_voting",
-           "option_fields", "parse_schedule", "parse_stop_rule", "parse_voting",
+__all__ = ["OptionError", "Voting", "WEIGHT_METHODS", "LoopOptions", "check_voting",
+           "option_fields", "parse_schedule", "parse_stop_rule", "parse_voting", "text_value",
            "resolve_schedule", "vote_is_settled"]
 
 WEIGHT_METHODS = ("exp_mean", "softmax", "confidence")
@@ -99,12 +99,9 @@ def _from_object(cls: type, data: Mapping, fixed: tuple[str, ...] = (), given: M
     it, and so is a value that ``cls`` refuses (its errors begin ``Cls.field``)."""
     known = [name for name in option_fields(cls) if name not in fixed]
     for key in data:
-        if key in fixed:
-            raise OptionError(f"{cls.__name__}.{key} is set here by the caller, not by the "
-                              f"object; it takes {', '.join(known)}", key)
         if key not in known:
-            raise OptionError(f"unknown {cls.__name__} field {key!r}; known: {', '.join(known)}",
-                              str(key))
+            raise OptionError(f"{cls.__name__} takes no field {key!r} here; it takes "
+                              + ", ".join(known), str(key))
     try:
         return cls(**{**given, **data})
     except (ValueError, TypeError) as e:
@@ -117,7 +114,7 @@ STOP_RULE_FORMS = ("off, on, a kind, KIND:VALUE, KIND:FIELD=VALUE[,FIELD=VALUE..
 OFF, ON = ("off", "none", "no", "false"), ("on", "true", "yes", "default")
 
 
-def _value(text: str) -> Any:
+def text_value(text: str) -> Any:
     """A command line's value: JSON where it parses (``0.05``, ``4``, ``true``), else the text."""
     try:
         return json.loads(text)
@@ -149,7 +146,7 @@ def _stop_rule_text(text: str) -> StopRule | None:
                 raise OptionError(f"{kind!r} takes no KIND:VALUE (name the field: "
                                   f"{kind}:FIELD=VALUE), got {text!r}")
             name, value = MAIN_FIELD[kind], part
-        fields[name.strip()] = _value(value.strip())
+        fields[name.strip()] = text_value(value.strip())
     flag_names = [f.name for f in dataclasses.fields(StopRule) if isinstance(f.default, bool)]
     for flag in flags:
         if flag not in flag_names:
@@ -202,31 +199,20 @@ def parse_schedule(value: Any, fixed: tuple[str, ...] = ()) -> Schedule | None:
     if isinstance(value, Mapping):
         return _from_object(Schedule, value, fixed)
     if isinstance(value, str):
-        try:
-            return Schedule.parse(value)
-        except ValueError as e:
-            raise OptionError(str(e)) from None
+        return Schedule.parse(value)
     raise OptionError(f"a schedule is text like '4,4,rest' or 'all', or an object of Schedule "
                       f"fields, got {value!r}")
 
 
 def parse_voting(value: Any, fixed: tuple[str, ...] = (), **given) -> Voting:
-    """Every outside form of a vote -> Voting.  None/False: the plain
-    majority vote; True: weighted (``exp_mean``); a weight method's name:
-    weighted by it; a dict: Voting fields; a Voting: itself.  ``given``:
-    fields the caller sets (the server's ``extract``), under the dict's."""
+    """Every outside form of a vote -> Voting: None (the plain majority),
+    a dict of Voting fields, or a Voting.  ``given``: fields the caller sets
+    (the server's ``extract``), under the dict's."""
     if isinstance(value, Voting):
         return dataclasses.replace(value, **given) if given else value
-    if value is None or value is False:
-        value = {}
-    elif value is True:
-        value = {"weighted": True}
-    elif isinstance(value, str):
-        value = {"weighted": True, "weight_method": value}
-    elif not isinstance(value, Mapping):
-        raise OptionError(f"voting is a bool, a weight method ({', '.join(WEIGHT_METHODS)}) or an "
-                          f"object of Voting fields, got {value!r}")
-    return _from_object(Voting, value, fixed, given)
+    if not isinstance(value, (Mapping, type(None))):
+        raise OptionError(f"voting is an object of Voting fields, got {value!r}")
+    return _from_object(Voting, value or {}, fixed, given)
 
 
 def resolve_schedule(schedule: Any, stop_rule: StopRule | None) -> Schedule:
@@ -255,16 +241,54 @@ def check_voting(stop_rule: StopRule | None, voting: Voting) -> None:
         raise ValueError("stop rules count unweighted votes: weighted voting needs early_stop off")
 
 
-def check_run_options(schedule: Schedule | None, stop_rule: StopRule | None,
-                      voting: Voting | None, delta: bool) -> tuple[Schedule, Voting]:
-    """Defaults and the checks both engine loops make (``delta``: the paths
-    stream DELTA outputs)."""
-    voting = parse_voting(voting)
-    schedule = resolve_schedule(schedule, stop_rule)
-    check_voting(stop_rule, voting)
-    if stop_rule is not None and stop_rule.forecast and schedule.check == "wave":
-        raise ValueError("StopRule(forecast=True) votes on running paths: it needs "
-                         "Schedule(check='index' or 'path'), not 'wave'")
-    if stop_rule is not None and stop_rule.forecast and not delta:
-        raise ValueError("StopRule(forecast=True) reads running paths' text: it needs DELTA outputs")
-    return schedule, voting
+@dataclass(frozen=True)
+class LoopOptions:
+    """What both engine loops take beyond the engine, the prompts and the
+    sampling params (:func:`~consensus_spec.sampling.engine_loop.run_paths`,
+    :func:`~consensus_spec.sampling.async_loop.run_paths_async`): each
+    accepts one of these or its fields as keywords.
+
+    ``schedule`` (any form :func:`parse_schedule` takes; None: the default,
+    :func:`resolve_schedule`) sets waves and capacity; ``stop_rule`` (any
+    form :func:`parse_stop_rule` takes; None: never stop early) is asked with
+    the unweighted answers; ``voting`` (:func:`parse_voting`; None: the
+    plain majority); ``max_tokens`` per path; ``delta``: the sampling params
+    ask for DELTA outputs (needed to count the tokens of aborted paths; see
+    ``Schedule.may_abort``); ``prior``: the stop rule's
+    :class:`~consensus_spec.sampling.answer_prior.AnswerPrior` (see
+    :class:`~consensus_spec.sampling.path_book.PathBook`);
+    ``forecast_model``: with ``stop_rule.forecast`` (DELTA outputs), the
+    model of the running paths' answers (default: the shipped one).
+    """
+
+    schedule: Any = None
+    stop_rule: Any = None
+    voting: Any = None
+    max_tokens: int = 1024
+    delta: bool = False
+    prior: Any = None
+    forecast_model: Any = None
+
+    @classmethod
+    def of(cls, options: "LoopOptions | None", fields: dict, caller: str) -> "LoopOptions":
+        """``options`` with ``fields`` (a loop's keywords) over it, parsed and
+        checked (:meth:`checked`); an unknown keyword is a TypeError, as a
+        function's would be."""
+        unknown = sorted(set(fields) - set(option_fields(cls)))
+        if unknown:
+            raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}")
+        return dataclasses.replace(options or cls(), **fields).checked()
+
+    def checked(self) -> "LoopOptions":
+        """The options parsed, with their defaults, and the checks that
+        combine them: a weighted vote takes no stop rule, and the forecast
+        votes on running paths (a per-path check, DELTA outputs)."""
+        stop_rule = parse_stop_rule(self.stop_rule)
+        schedule, voting = resolve_schedule(self.schedule, stop_rule), parse_voting(self.voting)
+        check_voting(stop_rule, voting)
+        if stop_rule is not None and stop_rule.forecast and schedule.check == "wave":
+            raise ValueError("StopRule(forecast=True) votes on running paths: it needs "
+                             "Schedule(check='index' or 'path'), not 'wave'")
+        if stop_rule is not None and stop_rule.forecast and not self.delta:
+            raise ValueError("StopRule(forecast=True) reads running paths' text: it needs DELTA outputs")
+        return dataclasses.replace(self, schedule=schedule, stop_rule=stop_rule, voting=voting)

@@ -20,7 +20,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..sampling.options import (OptionError, Voting, check_voting, parse_schedule, parse_stop_rule,
+from ..sampling.options import (Voting, check_voting, parse_schedule, parse_stop_rule,
                                 parse_voting, resolve_schedule)
 from ..sampling.stopping import StopRule
 from ..sampling.waves import Schedule
@@ -79,9 +79,8 @@ class RunOptionsIn(Strict):
     # capacity; default: with early stop the engine's load picks waves of 2 or all
     # at once; without, all at once.
     schedule: Union[str, dict, None] = None
-    # an object of Voting fields but extract (answer_pattern sets it), a bool
-    # (weighted) or a weight method (parse_voting)
-    voting: Union[bool, str, dict, None] = None
+    # an object of Voting fields but extract (answer_pattern sets it)
+    voting: Optional[dict] = None
     # a regex (lm-eval's regex_pattern) or {pattern, select}; default: the
     # answer a path states as final (boxed, ####, "the answer is"), or none
     answer_pattern: Union[str, AnswerPatternIn, None] = None
@@ -152,8 +151,9 @@ def _parsed(name: str, parse, value, **given):
     (``early_stop.error``), or the option where its value is not an object."""
     try:
         return parse(value, SERVER_SET.get(name, ()), **given)
-    except OptionError as e:
-        raise BadRequest(f"{name}.{e.field}" if e.field else name, str(e)) from None
+    except ValueError as e:
+        field = getattr(e, "field", "")
+        raise BadRequest(f"{name}.{field}" if field else name, str(e)) from None
 
 
 def resolve_options(opts: RunOptionsIn, limits: Limits) -> RunOptions:
