@@ -1,16 +1,10 @@
-"""A self-consistency run's options, parsed, resolved and checked in one
-place: how paths are voted (:class:`Voting`), the one parser per option type
-from every outside form (:func:`parse_stop_rule`, :func:`parse_schedule`,
-:func:`parse_voting`: the library's arguments, the server's JSON, the evals'
-command lines), the default schedule (:func:`resolve_schedule`) and the
-checks that combine them (:class:`LoopOptions`, :func:`check_voting`),
-which both engine loops (:mod:`~consensus_spec.sampling.engine_loop`,
-:mod:`~consensus_spec.sampling.async_loop`) and the server make.
-
-The keys an object form takes are the dataclass's fields
-(:func:`option_fields`): a field added to :class:`StopRule`,
-:class:`Schedule` or :class:`Voting` is a key of the server's JSON and of
-``--early-stop KIND:FIELD=VALUE`` with nothing else to change.
+"""A self-consistency run's options, parsed and checked in one place: how
+paths are voted (:class:`Voting`); one parser per option type from every
+outside form, the library's arguments, the server's JSON and the evals'
+command lines (:func:`parse_stop_rule`, :func:`parse_schedule`,
+:func:`parse_voting`), whose object keys are the dataclass's fields
+(:func:`option_fields`), so a new field needs nothing else; and what both
+engine loops take and check (:class:`LoopOptions`).
 """
 
 from __future__ import annotations
