@@ -7,6 +7,9 @@ import json
 import os
 import sys
 
+from consensus_spec.sampling.options import parse_stop_rule, text_value
+from consensus_spec.sampling.stopping import StopRule
+
 from .traces import shared_path
 
 
@@ -14,51 +17,20 @@ class UsageError(Exception):
     """Bad command line: reported as one ``error:`` line, exit code 2."""
 
 
-# the StopRule field a ``KIND:VALUE`` sets, by kind
-RULE_PARAMS = {"bayes": ("error", float), "sequential": ("error", float), "predictive": ("error", float),
-               "beta": ("error", float), "adaptive": ("error", float), "window": ("window", int),
-               "esc": ("window", int), "margin": ("margin", int)}
-
-
 def parse_early_stop(values: list[str] | None) -> list:
-    """``--early-stop`` values -> list of StopRule (None: off)."""
-    from consensus_spec.sampling.options import resolve_stop_rule
-    from consensus_spec.sampling.stopping import KINDS, StopRule
-
+    """``--early-stop`` values -> list of StopRule (None: off), each read by
+    the library's one parser (:func:`~consensus_spec.sampling.options.parse_stop_rule`:
+    off, on, KIND, KIND:VALUE, KIND:FIELD=VALUE,..., +forecast, a margin)."""
     if values is None:
         return [None]
     if not values:  # bare flag
         return [StopRule()]
     out = []
     for v in values:
-        text = v.strip().lower()
-        text, plus, flag = text.partition("+")
-        if plus and flag != "forecast":
-            raise UsageError(f"--early-stop: the one suffix is +forecast (bayes rules), got {v!r}")
-        kind, _, value = text.partition(":")
         try:
-            if plus:  # the rule, then its forecast (errors below name the rule)
-                rule = parse_early_stop([text])[0]
-                if rule is None or rule.kind != "bayes":
-                    raise UsageError(f"--early-stop: +forecast goes with the bayes rule (on, bayes[:ERROR]), "
-                                     f"got {v!r}")
-                out.append(rule.with_overrides(forecast=True))
-            elif text in ("off", "none", "no", "false"):
-                out.append(None)
-            elif text in ("on", "true", "yes", "default"):
-                out.append(StopRule())
-            elif kind in KINDS and (not value or kind in RULE_PARAMS):
-                rule = StopRule(kind=kind)
-                if value:
-                    field, cast = RULE_PARAMS[kind]
-                    rule = rule.with_overrides(**{field: cast(value)})
-                out.append(rule)
-            else:
-                out.append(resolve_stop_rule(float(text)))  # a margin, as before
+            out.append(parse_stop_rule(v))
         except ValueError as e:
-            raise UsageError(f"--early-stop expects off, on, decided, KIND[:VALUE] "
-                             f"(kinds {', '.join(KINDS)}) or a margin > 0, got {v!r}"
-                             + (f" ({e})" if "StopRule" in str(e) else ""))
+            raise UsageError(f"--early-stop expects a stop rule: {e}") from None
     return list(dict.fromkeys(out))
 
 
@@ -70,10 +42,7 @@ def parse_options(pairs: list[str]) -> dict:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise ValueError(f"--option expects KEY=VALUE, got {pair!r}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
+        out[key] = text_value(value)
     return out
 
 

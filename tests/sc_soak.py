@@ -186,7 +186,7 @@ def malformed_bodies(model: str = SERVED_NAME) -> dict[str, tuple]:
                               "messages.0.role", 400),
         "early_stop_unknown_kind": ({**ok, "early_stop": "sometimes"}, "early_stop", 400),
         "early_stop_bad_error": ({**ok, "early_stop": {"kind": "sequential", "error": 3}},
-                                 "early_stop", 400),
+                                 "early_stop.error", 400),
         "early_stop_unknown_field": ({**ok, "early_stop": {"alpha": 1}}, "early_stop.alpha", 400),
         "schedule_unparseable": ({**ok, "schedule": "two,then,rest"}, "schedule", 400),
         "weighted_with_early_stop": ({**ok, "voting": {"weighted": True}}, "voting.weighted", 400),

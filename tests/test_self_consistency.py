@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import math_verify  # noqa: F401 - declared dependency: a missing one fails, never skips
 import pytest
 
-from consensus_spec.sampling.options import resolve_stop_rule, vote_is_settled  # noqa: E402
+from consensus_spec.sampling.options import parse_stop_rule, vote_is_settled  # noqa: E402
 from consensus_spec.sampling.path_book import _tokens_saved  # noqa: E402
 from consensus_spec.sampling.self_consistency import (  # noqa: E402
     Schedule,
@@ -376,20 +376,20 @@ def test_old_exact_rule_kept_for_reference():
 # ---------------------------------------------------------------------------
 
 
-def test_resolve_stop_rule():
-    assert resolve_stop_rule(None) is None and resolve_stop_rule(False) is None
-    assert resolve_stop_rule(True) == StopRule()
-    assert resolve_stop_rule("decided") == StopRule(kind="decided")
+def test_parse_stop_rule():
+    assert parse_stop_rule(None) is None and parse_stop_rule(False) is None
+    assert parse_stop_rule(True) == StopRule()
+    assert parse_stop_rule("decided") == StopRule(kind="decided")
     rule = StopRule(kind="beta", error=0.1)
-    assert resolve_stop_rule(rule) is rule
-    assert resolve_stop_rule(3) == StopRule(kind="margin", margin=3, min_samples=1)
-    assert resolve_stop_rule(2.5).margin == 3
+    assert parse_stop_rule(rule) is rule
+    assert parse_stop_rule(3) == StopRule(kind="margin", margin=3, min_samples=1)
+    assert parse_stop_rule(2.5).margin == 3
 
 
 @pytest.mark.parametrize("early_stop", ["sometimes", -1, 0.0, float("inf"), [1]])
 def test_bad_early_stop_values(early_stop):
     with pytest.raises(ValueError):
-        resolve_stop_rule(early_stop)
+        parse_stop_rule(early_stop)
 
 
 @pytest.mark.parametrize("kwargs,match", [

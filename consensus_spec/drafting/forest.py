@@ -307,6 +307,22 @@ class SuffixForest:
             raise ValueError("node ids out of range")
         return toks, probs, lens
 
+    def counts_snapshot(self) -> tuple:
+        """(next node id per half, each half's nodes' total counts): what
+        :meth:`changed_since` compares with (a replay's table refresh)."""
+        ends = self._state[:, 0].copy()
+        return ends, [self._nodes[h * self.half:ends[h], K.TOT].copy() for h in (0, 1)]
+
+    def changed_since(self, snapshot: tuple) -> np.ndarray:
+        """Node ids whose total count changed since :meth:`counts_snapshot`,
+        then those added since, per half (meaningless across a :meth:`rotate`
+        that dropped a half: its ids are reused)."""
+        ends0, totals0 = snapshot
+        ends1 = self._state[:, 0]
+        return np.concatenate([np.concatenate([
+            h * self.half + np.flatnonzero(self._nodes[h * self.half:ends0[h], K.TOT] != totals0[h]),
+            np.arange(ends0[h], ends1[h])]) for h in (0, 1)])
+
     # Small accessors, mainly for tests.
     def depth(self, node: int) -> int:
         return int(self._nodes[node, K.DEP])

@@ -22,11 +22,9 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 
-from .options import Voting, check_run_options
+from .options import LoopOptions
 from .path_book import FORECAST_STRIDE, PathBook
 from .results import SelfConsistencyRun
-from .stopping import StopRule
-from .waves import Schedule
 
 __all__ = ["run_paths_async", "TASK_PREFIX"]
 
@@ -44,12 +42,8 @@ async def run_paths_async(
     prompts: Sequence[Any],
     make_params: Callable[[int, int], Any],
     n: int,
+    options: LoopOptions | None = None,
     *,
-    schedule: Schedule | None = None,
-    stop_rule: StopRule | None = None,
-    voting: Voting | None = None,
-    max_tokens: int = 1024,
-    delta: bool = False,
     run_id: str | None = None,
     on_vote: Callable[[int, list, int, bool], None] | None = None,
     on_problem_done: Callable[[int, PathBook], None] | None = None,
@@ -58,15 +52,15 @@ async def run_paths_async(
     on_start: Callable[[PathBook], None] | None = None,
     run_ahead: Any = None,
     keep_outputs: bool = False,
-    prior: Any = None,
-    forecast_model: Any = None,
+    **option_fields: Any,
 ) -> SelfConsistencyRun:
     """Sample up to ``n`` paths per prompt through ``generate``, in waves, and vote.
 
     ``make_params(problem, path)`` asks for DELTA outputs (``delta=True``)
     or FINAL_ONLY ones; with FINAL_ONLY an aborted path's tokens come from
-    the final output vLLM's ``AsyncLLM`` sends on abort.  ``schedule``,
-    ``stop_rule``, ``voting`` and ``max_tokens`` as in :func:`run_paths`;
+    the final output vLLM's ``AsyncLLM`` sends on abort.  ``options``: the
+    run's :class:`~consensus_spec.sampling.options.LoopOptions`, or its
+    fields as keywords, as in :func:`~consensus_spec.sampling.engine_loop.run_paths`;
     ``schedule.capacity`` bounds this run's paths in flight.  ``on_vote``
     sees every stop vote (see :class:`PathBook`), ``on_problem_done(problem,
     book)`` each problem once its vote is final, ``on_submit(count)`` each
@@ -77,16 +71,16 @@ async def run_paths_async(
     ``on_start(book)`` sees the run's :class:`PathBook` before any path is sent;
     ``run_ahead`` (a :class:`~consensus_spec.sampling.run_ahead.RunAhead`)
     decides which later waves idle rows start early; ``keep_outputs``
-    keeps each path's token ids and logprobs; ``prior``: the stop rule's
-    :class:`~consensus_spec.sampling.answer_prior.AnswerPrior` (a server
-    keeps one for all its runs).  With ``stop_rule.forecast`` (DELTA
-    outputs), each time a running path has written another
+    keeps each path's token ids and logprobs (a server keeps one ``prior``
+    for all its runs).  With ``stop_rule.forecast`` (DELTA outputs), each
+    time a running path has written another
     :data:`~consensus_spec.sampling.path_book.FORECAST_STRIDE` tokens the
-    running paths' forecasts are voted on too (``forecast_model``).
+    running paths' forecasts are voted on too.
     """
-    schedule, voting = check_run_options(schedule, stop_rule, voting, delta)
-    book = PathBook(len(prompts), n, schedule, stop_rule, voting, max_tokens, on_vote, idle_rows,
-                    run_ahead, keep_outputs, prior, forecast_model)
+    opts = LoopOptions.of(options, option_fields, "run_paths_async")
+    delta = opts.delta
+    book = PathBook(len(prompts), n, opts.schedule, opts.stop_rule, opts.voting, opts.max_tokens,
+                    on_vote, idle_rows, run_ahead, keep_outputs, opts.prior, opts.forecast_model)
     if on_start is not None:
         on_start(book)
     run_id = run_id or uuid.uuid4().hex[:12]

@@ -17,14 +17,10 @@ import time
 import uuid
 from typing import Any, Callable, Sequence
 
-from .answer_prior import AnswerPrior
-from .forecast import ForecastModel
-from .options import Voting, check_run_options
+from .options import LoopOptions
 from .path_book import FORECAST_STRIDE, PathBook
 from .results import SelfConsistencyRun, SpecDecodeStats
 from .routing import request_pinning
-from .stopping import StopRule
-from .waves import Schedule
 
 __all__ = ["read_spec_counters", "run_paths", "spec_stats_delta"]
 
@@ -61,40 +57,32 @@ def run_paths(
     prompts: Sequence[Any],
     make_params: Callable[[int, int], Any],
     n: int,
+    options: LoopOptions | None = None,
     *,
-    schedule: Schedule | None = None,
-    stop_rule: StopRule | None = None,
-    voting: Voting | None = None,
-    max_tokens: int = 1024,
-    delta: bool = False,
     render: Callable[[Any], Any] | None = None,
     on_problem_done: Callable[[int], None] | None = None,
-    prior: AnswerPrior | None = None,
-    forecast_model: ForecastModel | None = None,
+    **option_fields: Any,
 ) -> SelfConsistencyRun:
     """Engine-level loop behind :func:`self_consistency` (vLLM-agnostic).
 
     ``engine`` needs ``add_request(id, prompt, params, arrival_time=)``,
     ``step()``, ``abort_request(ids)`` and ``has_unfinished_requests()``, as
     ``vllm.LLM().llm_engine`` has.  ``make_params(problem, path)`` builds the
-    sampling params; ``delta`` says whether they ask for DELTA outputs (needed
-    to count the tokens of aborted paths; see ``Schedule.may_abort``).
-    ``schedule`` (default: see
-    :func:`~consensus_spec.sampling.options.resolve_schedule`) sets waves and
-    capacity; ``stop_rule`` (None: never stop early) is asked with the
-    unweighted answers.  ``on_problem_done(problem)`` is called once per
-    problem as soon as its vote is final; ``prior``: the stop rule's
-    :class:`AnswerPrior` (see :class:`PathBook`).  With
+    sampling params.  ``options``: the run's
+    :class:`~consensus_spec.sampling.options.LoopOptions` (schedule, stop
+    rule, voting, max_tokens, delta, prior, forecast_model), or its fields
+    as keywords (``stop_rule=...``), over it.  ``on_problem_done(problem)``
+    is called once per problem as soon as its vote is final.  With
     ``stop_rule.forecast``, every :data:`FORECAST_STRIDE` steps the running
-    paths' forecasts (``forecast_model``, default the shipped one) are voted
-    on too (needs DELTA outputs).  Returns the run without
+    paths' forecasts are voted on too.  Returns the run without
     spec-decode stats (the caller reads those from vLLM).
     """
-    schedule, voting = check_run_options(schedule, stop_rule, voting, delta)
+    opts = LoopOptions.of(options, option_fields, "run_paths")
+    delta = opts.delta
     if engine.has_unfinished_requests():
         raise RuntimeError("self_consistency needs an idle engine")
-    book = PathBook(len(prompts), n, schedule, stop_rule, voting, max_tokens, prior=prior,
-                    forecast_model=forecast_model)
+    book = PathBook(len(prompts), n, opts.schedule, opts.stop_rule, opts.voting, opts.max_tokens,
+                    prior=opts.prior, forecast_model=opts.forecast_model)
     planner = book.planner
     run_id = uuid.uuid4().hex[:8]
     rid = lambda p, k: f"sc{run_id}-{p}-{k}"  # noqa: E731

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 from .results import ProblemResult, Sample, SelfConsistencyRun, SpecDecodeStats  # noqa: F401
 from .engine_loop import read_spec_counters, run_paths, spec_stats_delta
-from .options import Voting, resolve_schedule, resolve_stop_rule
+from .options import Voting, parse_stop_rule, parse_voting, resolve_schedule
 from .answer_prior import AnswerPrior
 from .stopping import StopRule
 from .waves import ALL_AT_ONCE, PathPlanner, Schedule
@@ -82,7 +82,7 @@ def self_consistency(
     seed: int | None = None,
     prompt_template: str | Callable[[Any], Any] | None = None,
     *,
-    early_stop: bool | str | StopRule | None = None,
+    early_stop: bool | str | dict | StopRule | None = None,
     schedule: Schedule | None = None,
     voting: Voting | None = None,
     logprobs: bool | None = None,
@@ -101,7 +101,8 @@ def self_consistency(
     the vote is <= 0.2% under a prior over how problems split their answers,
     which the run learns from its finished problems), ``"decided"`` (exact:
     only when the remaining paths cannot change the winner), another rule
-    kind, or a :class:`StopRule`.  ``prior``: the :class:`AnswerPrior` the
+    kind, text like ``"bayes:0.01"``, a dict of StopRule fields, or a
+    :class:`StopRule` (:func:`~consensus_spec.sampling.options.parse_stop_rule`).  ``prior``: the :class:`AnswerPrior` the
     rule learns into (default: a new one per call; pass one to carry what it
     learned across calls that feed problems a few at a time).
     ``StopRule(forecast=True)`` also votes on the running paths, from their
@@ -132,8 +133,8 @@ def self_consistency(
 
     if legacy:
         _removed_keywords(legacy)
-    voting = voting or Voting()
-    stop_rule = resolve_stop_rule(early_stop)
+    voting = parse_voting(voting)
+    stop_rule = parse_stop_rule(early_stop)
     schedule = resolve_schedule(schedule, stop_rule)
     if logprobs is None:  # they cost vLLM extra work per draft token: only when used
         logprobs = voting.weighted

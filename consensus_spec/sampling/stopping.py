@@ -88,7 +88,7 @@ from ..voting.answers import DEFAULT_TIMEOUT_S
 from ..voting.vote import cluster_answers
 from .answer_prior import AnswerPrior
 
-__all__ = ["KINDS", "PEERS", "SPEND_EXPONENT", "AnswerPrior", "StopRule", "sequential_boundary",
+__all__ = ["KINDS", "MAIN_FIELD", "PEERS", "SPEND_EXPONENT", "AnswerPrior", "StopRule", "sequential_boundary",
            "should_stop", "should_stop_ids", "stop_answer", "tally"]
 
 KINDS = ("bayes", "decided", "sequential", "predictive", "beta", "window", "margin",
@@ -99,6 +99,9 @@ DEFAULT_ERROR = {"bayes": 0.002, "sequential": 0.2, "predictive": 0.05, "beta": 
                  "adaptive": 0.05}
 DEFAULT_MIN_SAMPLES = {"bayes": 1}  # other kinds of ours: 3
 DEFAULT_WINDOW = {"esc": 5}  # "window": 4
+# per kind: the field its one parameter sets (the text form KIND:VALUE, e.g. "bayes:0.01")
+MAIN_FIELD = {**{kind: "error" for kind in DEFAULT_ERROR}, "window": "window", "esc": "window",
+              "margin": "margin"}
 # "sequential": the error spent by the look after k of n paths is error * (k/n) ** SPEND_EXPONENT.
 SPEND_EXPONENT = 0.25
 # "consol": ConSol's SprtConfidenceModel as published (p0 = 0.5)
@@ -148,7 +151,7 @@ class StopRule:
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
-        if self.kind in DEFAULT_ERROR:
+        if self.error is not None:
             e = self.error
             if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0.0 < e < 1.0:
                 raise ValueError(f"StopRule.error must be a probability in (0, 1), got {e!r}")

@@ -18,18 +18,22 @@ import dataclasses
 import json
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..sampling.options import Voting, check_voting, resolve_schedule, resolve_stop_rule
-from ..sampling.stopping import KINDS, StopRule
+from ..sampling.options import (Voting, check_voting, parse_schedule, parse_stop_rule,
+                                parse_voting, resolve_schedule)
+from ..sampling.stopping import StopRule
 from ..sampling.waves import Schedule
-from ..voting.answers import DEFAULT_TIMEOUT_S, extract_final_answer
+from ..voting.answers import extract_final_answer
 from ..voting.patterns import AnswerPattern
 
 __all__ = ["BadRequest", "Limits", "OPTION_FIELDS", "RunOptions", "RunOptionsIn",
            "first_error", "parse_defaults", "resolve_options", "split_options"]
 
 MAX_VOTE_TIMEOUT_S = 10.0  # per math-verify comparison: a client may not hold the server longer
+MAX_CONFIDENCE_WINDOW = 4096  # tokens
+# fields the server sets itself: a request may not (capacity: Limits.max_inflight; extract: answer_pattern)
+SERVER_SET = {"schedule": ("capacity",), "voting": ("extract",)}
 OPTION_FIELDS = ("early_stop", "schedule", "voting", "answer_pattern", "return_paths", "choices")
 CHOICES = ("vote", "paths")
 
@@ -57,42 +61,26 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class StopRuleIn(Strict):
-    kind: Literal[KINDS] = StopRule.kind  # type: ignore[valid-type]
-    error: Optional[float] = None  # None: the kind's own default, as StopRule
-    min_samples: Optional[int] = None
-    window: Optional[int] = None
-    margin: int = StopRule.margin
-    forecast: bool = False  # bayes: also vote on running paths (their outputs then stream per step)
-
-
-class ScheduleIn(Strict):
-    waves: list[Union[int, Literal["rest"]]] = Field(default_factory=lambda: [2], min_length=1)
-    check: Literal["index", "wave", "path"] = "index"
-    fill_idle: bool = True
-
-
-class VotingIn(Strict):
-    weighted: bool = False
-    weight_method: Literal["exp_mean", "softmax", "confidence"] = "exp_mean"
-    confidence_keep: float = Field(0.9, gt=0, le=1)
-    confidence_window: int = Field(16, ge=1, le=4096)
-    timeout_s: float = Field(DEFAULT_TIMEOUT_S, gt=0, le=MAX_VOTE_TIMEOUT_S)
-
-
 class AnswerPatternIn(Strict):
     pattern: str
     select: int = 0  # 0: the first match, -1: the last (lm-eval's group_select)
 
 
 class RunOptionsIn(Strict):
+    """The option fields as sent; :func:`resolve_options` reads each with the
+    library's one parser (:mod:`consensus_spec.sampling.options`), so an
+    object's keys are the dataclass's fields and their defaults its own."""
+
     # True: the library's default StopRule (bayes, error 0.002); a kind
-    # name; a margin > 0; an object of StopRule fields; false/null: all n paths.
-    early_stop: Union[bool, str, float, StopRuleIn, None] = True
-    # "2", "4,4,rest", "all" (Schedule.parse), or an object; default: with early
-    # stop the engine's load picks waves of 2 or all at once; without, all at once.
-    schedule: Union[str, ScheduleIn, None] = None
-    voting: VotingIn = Field(default_factory=VotingIn)
+    # name or text like "bayes:0.01"; a margin > 0; an object of StopRule
+    # fields; false/null: all n paths (parse_stop_rule).
+    early_stop: Union[bool, str, float, dict, None] = True
+    # "2", "4,4,rest", "all" (Schedule.parse), or an object of Schedule fields but
+    # capacity; default: with early stop the engine's load picks waves of 2 or all
+    # at once; without, all at once.
+    schedule: Union[str, dict, None] = None
+    # an object of Voting fields but extract (answer_pattern sets it)
+    voting: Optional[dict] = None
     # a regex (lm-eval's regex_pattern) or {pattern, select}; default: the
     # answer a path states as final (boxed, ####, "the answer is"), or none
     answer_pattern: Union[str, AnswerPatternIn, None] = None
@@ -117,8 +105,7 @@ class RunOptions:
     schedule_auto: bool = False
 
 
-_UNION_TAGS = {"str", "int", "float", "bool", "none", "StopRuleIn", "ScheduleIn", "Message",
-               "AnswerPatternIn"}
+_UNION_TAGS = {"str", "int", "float", "bool", "none", "Message", "AnswerPatternIn"}
 
 
 def _field(loc: tuple) -> str:
@@ -159,24 +146,20 @@ def parse_defaults(raw: str | None) -> dict:
     return fields
 
 
+def _parsed(name: str, parse, value, **given):
+    """``parse(value)`` (the library's parser); BadRequest naming the field
+    (``early_stop.error``), or the option where its value is not an object."""
+    try:
+        return parse(value, SERVER_SET.get(name, ()), **given)
+    except ValueError as e:
+        field = getattr(e, "field", "")
+        raise BadRequest(f"{name}.{field}" if field else name, str(e)) from None
+
+
 def resolve_options(opts: RunOptionsIn, limits: Limits) -> RunOptions:
     """The option fields -> :class:`RunOptions`; BadRequest naming the field."""
-    early = opts.early_stop
-    try:
-        stop_rule = StopRule(**early.model_dump()) if isinstance(early, StopRuleIn) \
-            else resolve_stop_rule(early)
-    except ValueError as e:
-        raise BadRequest("early_stop", str(e)) from None
-    try:
-        if opts.schedule is None:
-            schedule = None
-        elif isinstance(opts.schedule, str):
-            schedule = Schedule.parse(opts.schedule)
-        else:
-            schedule = Schedule(waves=tuple(opts.schedule.waves), check=opts.schedule.check,
-                                fill_idle=opts.schedule.fill_idle)
-    except ValueError as e:
-        raise BadRequest("schedule", str(e)) from None
+    stop_rule = _parsed("early_stop", parse_stop_rule, opts.early_stop)
+    schedule = _parsed("schedule", parse_schedule, opts.schedule)
     auto = schedule is None and stop_rule is not None
     schedule = dataclasses.replace(resolve_schedule(schedule, stop_rule), capacity=limits.max_inflight)
     pattern = opts.answer_pattern
@@ -189,10 +172,11 @@ def resolve_options(opts: RunOptionsIn, limits: Limits) -> RunOptions:
             extract = AnswerPattern(pattern.pattern, pattern.select)
     except ValueError as e:
         raise BadRequest("answer_pattern", str(e)) from None
-    voting = Voting(weighted=opts.voting.weighted, weight_method=opts.voting.weight_method,
-                    confidence_keep=opts.voting.confidence_keep,
-                    confidence_window=opts.voting.confidence_window,
-                    timeout_s=opts.voting.timeout_s, extract=extract)
+    voting = _parsed("voting", parse_voting, opts.voting, extract=extract)
+    for field, most in (("timeout_s", MAX_VOTE_TIMEOUT_S), ("confidence_window", MAX_CONFIDENCE_WINDOW)):
+        if getattr(voting, field) > most:
+            raise BadRequest(f"voting.{field}", f"at most {most} on this server, "
+                                                f"got {getattr(voting, field)}")
     try:
         check_voting(stop_rule, voting)
     except ValueError as e:

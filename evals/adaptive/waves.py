@@ -137,7 +137,7 @@ def parse_args(argv=None):
     ap.add_argument("--waves", help="wave sizes, e.g. 4 or 1,2,4,rest (default: Schedule's default)")
     ap.add_argument("--early-stop", nargs="+", default=["on"],
                     help="stop rules, list ok: on (the default rule), decided, predictive:0.05, "
-                         "beta:0.05, window:4, margin:3, adaptive, esc, consol")
+                         "beta:error=0.05,min_samples=2, window:4, margin:3, adaptive, esc, consol")
     ap.add_argument("--fill", choices=("on", "off", "both"), default="on",
                     help="Schedule.fill_idle: idle rows start later waves early at the tail")
     ap.add_argument("--orders", type=int, default=3, help="path orders: recorded + seeded shuffles")

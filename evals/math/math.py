@@ -49,10 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--n", type=int, nargs="+", default=[16], help="samples per problem (list ok)")
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     ap.add_argument("--early-stop", nargs="*", metavar="RULE",
-                    help="adaptive stopping, list ok: off, on (default rule: sequential, error "
-                         "0.2), decided (exact), KIND[:VALUE] with KIND sequential/predictive/beta (error), "
-                         "window (run length) or margin (votes), or a number (margin); "
-                         "bare flag: on")
+                    help="adaptive stopping, list ok: off, on (the default rule: bayes, error 0.002), "
+                         "a kind (decided: exact), KIND:VALUE (its own parameter: bayes:0.01, "
+                         "window:5), KIND:FIELD=VALUE,... (any StopRule field), +forecast, or a "
+                         "number (margin); bare flag: on")
     ap.add_argument("--waves", nargs="+", metavar="SPEC",
                     help="wave sizes per problem, list ok: auto (default: all at once without "
                          "early stop, the default waves (of 2) with it), all, or e.g. 1,2,4,rest; "

@@ -36,7 +36,6 @@ import numpy as np
 
 from consensus_spec.drafting.drafter import ConsensusDrafter, DrafterOptions
 from consensus_spec.drafting import lagged
-from consensus_spec.drafting.trie_kernels import TOT
 
 DEVICE_LOOKUP_MS = 0.03  # assumed device time per step of the gather (in the CUDA graph)
 KEY_BYTES, TOKEN_BYTES = 8, 4
@@ -126,21 +125,15 @@ class DeviceRouteDrafter:
         return drafts
 
     def _snapshot(self):
-        forest = self.drafter.forest
-        ends = forest._state[:, 0].copy()
-        return ends, self.drafter.evictions, [forest._nodes[h * forest.half:ends[h], TOT].copy()
-                                              for h in (0, 1)]
+        return self.drafter.evictions, self.drafter.forest.counts_snapshot()
 
     def _account(self, k: int, before) -> None:
-        ends0, evictions, tot0 = before
+        evictions, counts = before
         d = self.drafter
         forest = d.forest
         if d.evictions != evictions:  # a half was dropped meanwhile: node ids were reused
             return
-        ends1 = forest._state[:, 0]
-        dirty = np.concatenate([np.concatenate([
-            h * forest.half + np.flatnonzero(forest._nodes[h * forest.half:ends0[h], TOT] != tot0[h]),
-            np.arange(ends0[h], ends1[h])]) for h in (0, 1)])
+        dirty = forest.changed_since(counts)
         t0 = time.process_time()  # the host recomputing those contexts' K-token entries
         forest.draft_many(dirty, np.full(len(dirty), -1), 0.0, np.full(len(dirty), k), k, 0.0,
                           d.options.min_match, d.options.prior)

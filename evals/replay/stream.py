@@ -100,7 +100,7 @@ class Monitor:
         self.window_peak = max(self.window_peak, nodes)
         self.peak_nodes = max(self.peak_nodes, nodes)
         self.peak_bytes = max(self.peak_bytes, forest.nbytes)
-        self.peak_capacity = max(self.peak_capacity, len(forest._nodes))
+        self.peak_capacity = max(self.peak_capacity, len(forest.arena()[0]))
         if forest.nbytes != self.arena_bytes:
             self.arena_changes += 1  # the arrays were reallocated: there should be none
         now = {k: self.base[k] + getattr(stats, k) for k in self.base}
@@ -205,7 +205,7 @@ def run(args) -> dict:
         "peak_nodes_over_limit": monitor.peak_nodes / args.max_trie_nodes,
         "peak_node_capacity": monitor.peak_capacity,
         "peak_array_bytes": monitor.peak_bytes,
-        "node_budget_bytes": proposer.drafter.forest._nodes.nbytes,  # the node array, no edge tables
+        "node_budget_bytes": proposer.drafter.forest.arena()[0].nbytes,  # the node array, no edge tables
         "arena_reallocations": monitor.arena_changes,
         **call_percentiles(monitor.calls),
         "rss_start_mb": rss0, "rss_end_mb": rss_mb(),
