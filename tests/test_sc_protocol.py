@@ -77,6 +77,9 @@ def test_chat_with_n_returns_every_path_unless_the_vote_is_asked():
     assert opts.choices == "vote" and opts.stop_rule is not None
     _, opts = parse_openai(OK, COMPLETION, Limits(), parse_defaults('{"choices": "paths"}'))
     assert opts.choices == "paths" and opts.stop_rule is None
+    for off in (False, "off", None):  # every form of "no stop" agrees with every path
+        assert parse_openai({**chat, "early_stop": off}, CHAT, Limits(), {})[1].stop_rule is None
+    assert _bad({**chat, "early_stop": "bayes"}, CHAT).param == "early_stop"
     bad = _bad({**chat, "early_stop": True}, CHAT)  # every path, and a stop: a contradiction
     assert bad.param == "early_stop" and "choices='vote'" in str(bad)
     assert _bad({**chat, "choices": "some"}, CHAT).param == "choices"

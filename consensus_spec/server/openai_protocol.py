@@ -34,6 +34,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from ..sampling.options import parse_stop_rule
 from ..sampling.results import ProblemResult, Sample
 from .options import BadRequest, Limits, RunOptions, resolve_options, split_options
 from .protocol import problem_json
@@ -130,12 +131,25 @@ def parse_openai(body: Any, kind: str, limits: Limits, defaults: dict):
     choices = opts.choices or ("paths" if kind == CHAT and n > 1 else "vote")
     if choices == "paths":  # every path runs: no stop, one wave
         for name in ("early_stop", "schedule"):
-            if body.get(name) not in (None, False):
+            if not _off(name, body.get(name)):
                 raise BadRequest(name, "choices='paths' returns every path, so all n run at "
                                        "once: ask choices='vote' for one early-stopped vote")
         opts = opts.model_copy(update={"early_stop": False, "schedule": None})
     options = resolve_options(opts, limits)
     return req, dataclasses.replace(options, choices=choices)
+
+
+def _off(name: str, value) -> bool:
+    """Whether a body's ``early_stop`` or ``schedule`` asks for nothing
+    (absent, false, or a stop rule that parses to off, e.g. ``"off"``)."""
+    if value is None or value is False:
+        return True
+    if name != "early_stop":
+        return False
+    try:
+        return parse_stop_rule(value) is None
+    except ValueError:
+        return False
 
 
 def num_prompts(req, kind: str) -> int:
