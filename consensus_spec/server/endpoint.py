@@ -61,7 +61,7 @@ from collections import Counter
 from . import PLUGIN_NAME, ROUTE
 from .options import BadRequest, Limits, parse_defaults
 from .protocol import SelfConsistencyRequest, is_many, parse_request, problem_json
-from .runs import error, new_run_id, run_request, sse, streams_paths, until_disconnect
+from .runs import error, run_request, serve, sse, streams_paths, until_disconnect
 from .state import ServerState
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handler and format
@@ -224,21 +224,10 @@ def _render(st: ServerState, req: SelfConsistencyRequest) -> list[list[int]]:
 
 
 async def handle(raw_request):
-    st: ServerState | None = getattr(raw_request.app.state, "consensus_sc", None)
-    if st is None:
-        return error(503, "no engine behind this server", None)
-    run_id = new_run_id("sc")
-    try:
-        return await _handle(raw_request, st, run_id)
-    finally:
-        st.pending.pop(run_id, None)  # counted from its parse until its run chose its schedule
+    return await serve(raw_request, "sc", lambda st, run_id, body: _handle(raw_request, st, run_id, body))
 
 
-async def _handle(raw_request, st: ServerState, run_id: str):
-    try:
-        body = json.loads(await raw_request.body() or b"null")
-    except (ValueError, UnicodeDecodeError) as e:
-        return error(400, f"body: not valid JSON ({e})", "body")
+async def _handle(raw_request, st: ServerState, run_id: str, body):
     try:
         req, opts = parse_request(body, st.limits, st.defaults)
         if isinstance(body, dict) and "choices" in body:

@@ -11,13 +11,12 @@ sampling parameters are the request's own, and its paths run through
 
 # no "from __future__ import annotations": FastAPI reads the route's Request annotation
 import asyncio
-import json
 import time
 
 from .openai_protocol import (CHAT, COMPLETION, choices_json, num_prompts, parse_openai,
                               path_params, response_json, stream_chunks, usage_chunk)
 from .options import BadRequest
-from .runs import error, new_run_id, run_request, sse, streams_paths, until_disconnect
+from .runs import error, run_request, serve, sse, streams_paths, until_disconnect
 
 
 def attach(app, base: str) -> None:
@@ -63,25 +62,15 @@ async def _render(st, req, kind: str) -> list:
 
 
 async def handle(raw_request, kind: str):
-    st = getattr(raw_request.app.state, "consensus_sc", None)
-    if st is None:
-        return error(503, "no engine behind this server", None)
-    run_id = new_run_id("chatcmpl-sc" if kind == CHAT else "cmpl-sc")
-    try:
-        return await _handle(raw_request, kind, st, run_id)
-    finally:
-        st.pending.pop(run_id, None)  # counted from its parse until its run chose its schedule
+    return await serve(raw_request, "chatcmpl-sc" if kind == CHAT else "cmpl-sc",
+                       lambda st, run_id, body: _handle(raw_request, kind, st, run_id, body))
 
 
-async def _handle(raw_request, kind: str, st, run_id: str):
+async def _handle(raw_request, kind: str, st, run_id: str, body):
     from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
     from vllm.exceptions import VLLMError
 
     route = raw_request.url.path
-    try:
-        body = json.loads(await raw_request.body() or b"null")
-    except (ValueError, UnicodeDecodeError) as e:
-        return error(400, f"body: not valid JSON ({e})", "body")
     try:
         req, opts = parse_openai(body, kind, st.limits, st.defaults)
         if req.model is not None and req.model not in st.model_names:

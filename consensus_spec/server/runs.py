@@ -43,6 +43,25 @@ def new_run_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:16]}"
 
 
+async def serve(raw_request, prefix: str, handle: Callable):
+    """What every route opens with: the server's state (503 without an
+    engine), a run id (``prefix``), the JSON body (400 when it is not), then
+    ``handle(st, run_id, body)``; the request's arrival stops counting for
+    others' schedules once it is answered, whatever happened."""
+    st = getattr(raw_request.app.state, "consensus_sc", None)
+    if st is None:
+        return error(503, "no engine behind this server", None)
+    run_id = new_run_id(prefix)
+    try:
+        body = json.loads(await raw_request.body() or b"null")
+    except (ValueError, UnicodeDecodeError) as e:
+        return error(400, f"body: not valid JSON ({e})", "body")
+    try:
+        return await handle(st, run_id, body)
+    finally:
+        st.pending.pop(run_id, None)  # counted from its parse until its run chose its schedule
+
+
 def _task(coro, route: str, role: str) -> asyncio.Task:
     """A task named as this package's (``GET .../state`` counts them)."""
     task = asyncio.ensure_future(coro)
