@@ -270,7 +270,7 @@ class ConsensusProposer:
         n = row_kernels._pack(rows, tokens, lengths, num_rows, self._flat, self._offsets)
         self.num_drafted += n
         flat, at = self._flat[:n].tolist(), self._offsets[:num_rows + 1].tolist()
-        return [flat[at[i]:at[i + 1]] for i in range(num_rows)]
+        return [flat[a:b] for a, b in zip(at, at[1:])]
 
     def _observe(self) -> int | None:
         """Count what the verifier kept of last step's drafts; calibrate on
