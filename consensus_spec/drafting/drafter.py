@@ -220,7 +220,14 @@ class ConsensusDrafter(PathRegistry):
                 self._cross_roots[-1] if o.cross_group_weight > 0 else -1, check_room, ROTATE_AT,
                 OLD_FULL_AT, o.cross_group_tokens, f._starts, f._memo, f._toks, f._probs, f._lens)
             if not err:
-                return (f._toks[:m * k].reshape(m, k), f._probs[:m * k].reshape(m, k), f._lens[:m])
+                views = f.draft_views.get((m, k))
+                if views is None:  # made once per shape: a batch drains through few
+                    views = (f._toks[:m * k].reshape(m, k), f._probs[:m * k].reshape(m, k),
+                             f._lens[:m])
+                    if len(f.draft_views) >= 256:
+                        f.draft_views.clear()
+                    f.draft_views[m, k] = views
+                return views
             if err == R.ROOM:  # rotate or restart the cross-group trie, then go on
                 self._make_room()
                 check_room = False
