@@ -10,6 +10,9 @@ from ..jit import Kernels
 
 kernel = Kernels(globals())
 
+_ndarray = np.ndarray
+_F64, _I64 = np.dtype(np.float64), np.dtype(np.int64)  # numpy's native dtype objects
+
 
 @kernel
 def _bin(p, bins):
@@ -109,8 +112,15 @@ class AcceptanceCalibrator:
     def observe(self, probs: np.ndarray, sent: np.ndarray, accepted: np.ndarray) -> None:
         """``probs``: (R, k) estimates of the drafts sent, ``sent[i]`` tokens
         long; ``accepted[i]``: how many of them the verifier kept."""
-        probs = np.asarray(probs, dtype=np.float64)
-        if probs.size == 0:
+        if not (type(probs) is _ndarray and probs.ndim == 2 and probs.dtype is _F64
+                and type(sent) is _ndarray and sent.dtype is _I64
+                and type(accepted) is _ndarray and accepted.dtype is _I64
+                and len(probs) == len(sent)):  # else as given: converted
+            probs = np.asarray(probs, dtype=np.float64)
+            if probs.size == 0:
+                return
+            probs = probs.reshape(len(sent), -1)
+            sent, accepted = np.asarray(sent, np.int64), np.asarray(accepted, np.int64)
+        elif probs.size == 0:
             return
-        _observe(probs.reshape(len(sent), -1), np.asarray(sent, np.int64),
-                 np.asarray(accepted, np.int64), self._hits, self._trials, self.decay)
+        _observe(probs, sent, accepted, self._hits, self._trials, self.decay)

@@ -43,6 +43,7 @@ def _bucket(batch: int) -> int:
 
 _BUCKETS: list[int] = []
 _BUCKETS += [_bucket(n) for n in range(4097)]  # looked up every step
+_NUM_BUCKETS = len(_BUCKETS)
 
 
 class _Bucket:
@@ -80,7 +81,7 @@ class DraftingGuard:
 
     def drafts(self, batch: int) -> bool:
         """Whether the step about to be drafted for should carry drafts."""
-        key = _bucket(batch)
+        key = _BUCKETS[batch] if 0 <= batch < _NUM_BUCKETS else _bucket(batch)
         b = self._buckets.get(key)
         if b is None:
             b = self._buckets[key] = _Bucket()

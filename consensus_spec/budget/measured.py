@@ -131,7 +131,8 @@ class MeasuredStepCosts(OnlineStepCosts):
         return self._state[bucket_of(batch), MEASURED] == SETTLED
 
     def observe(self, batch: int, drafted: int, step_ms: float, drafter_ms: float) -> bool:
-        probe = batch >= 1 and self._probed == bucket_of(batch)
+        b = bucket_of(batch)
+        probe = batch >= 1 and self._probed == b
         self._probed = -1
         if probe:
             predicted = float(self.step_ms(batch, drafted, drafter=False)[drafted])
@@ -141,7 +142,6 @@ class MeasuredStepCosts(OnlineStepCosts):
                 return True
         ok = super().observe(batch, drafted, step_ms, drafter_ms)
         if batch >= 1:
-            b = bucket_of(batch)
             state = self._state
             if probe and not ok:
                 # a probe far faster than the fit says (no stall makes a step faster):
@@ -206,7 +206,12 @@ class MeasuredStepCosts(OnlineStepCosts):
     def explore_shade(self, batch: int) -> float:
         b = self._bucket(batch)
         state = self._state
-        self.probing = self._probe(batch, b)
+        if self._probe_left[b] == 0 and (state.item(b, COUNT) < MIN_EFFECTIVE
+                                         or state.item(b, DRAFTED) * batch >= IDLE_DRAFTS):
+            self._probe_countdown[b] = self._probe_wait[b]  # it drafts: no probe (_probe's test)
+            self.probing = False
+        else:
+            self.probing = self._probe(batch, b)
         if self.probing:
             self._steps[b] += 1
             self.decisions += 1
@@ -215,7 +220,7 @@ class MeasuredStepCosts(OnlineStepCosts):
             self._steps[b] += 1
             self.decisions += 1
             return 0.0
-        shade = super().explore_shade(batch)
+        shade = self._explore_shade(batch, b)
         if state.item(b, MEASURED) == RELEARNING and shade == 0.0 \
                 and self._steps[b] % EXPLORE_EVERY == 1 \
                 and state.item(b, OBSERVED) - self._relearn_from[b] >= 2 * MIN_EFFECTIVE:

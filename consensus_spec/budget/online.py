@@ -240,8 +240,12 @@ _LOG2 = [0] + [min(int(round(BUCKETS_PER_OCTAVE * math.log2(n))), MAX_BUCKETS - 
                for n in range(1, 4097)]
 
 
+_LOG2_N = len(_LOG2)
+_NO_FIT = (-1, 0.0, np.zeros(0), 0)
+
+
 def bucket_of(batch: int) -> int:
-    if 0 <= batch < len(_LOG2):
+    if 0 <= batch < _LOG2_N:
         return _LOG2[batch]
     return min(int(round(BUCKETS_PER_OCTAVE * math.log2(max(batch, 1)))), MAX_BUCKETS - 1)
 
@@ -258,6 +262,7 @@ class OnlineStepCosts:
         self._state[:, PRIOR:PRIOR + 3] = (1.0, 0.0, 1.0)  # a0, c1_0, c2 / a
         self._state[:, EXPLORED_AT] = -1.0
         self._increments: OrderedDict[int, tuple[float, np.ndarray]] = OrderedDict()
+        self._last_fit = _NO_FIT  # fit_inputs' last answer (batch, base, inc, bucket)
         self._started = [False] * MAX_BUCKETS  # plain lists: read every step, cheaply
         self._steps = [0] * MAX_BUCKETS
         self.steps_observed = 0
@@ -275,6 +280,7 @@ class OnlineStepCosts:
             t = self.prior.step_ms(batch, 1.0 + np.arange(size) / batch)
             hit = (float(t[0]), t / t[0] - 1.0)
             self._increments[batch] = hit
+            self._last_fit = _NO_FIT  # it may hold an entry replaced or dropped here
             if len(self._increments) > PRIOR_CACHE:
                 self._increments.popitem(last=False)
         return hit
@@ -287,7 +293,7 @@ class OnlineStepCosts:
     def _bucket(self, batch: int) -> int:
         """The bucket of ``batch``; at its first use, it borrows the fit of
         the nearest trained bucket."""
-        b = bucket_of(batch)
+        b = _LOG2[batch] if 0 <= batch < _LOG2_N else bucket_of(batch)
         if not self._started[b]:
             self._started[b] = True
             state = self._state
@@ -309,8 +315,7 @@ class OnlineStepCosts:
         Returns False if the step was left out as an outlier."""
         if batch < 1 or drafted < 0 or not (step_ms > 0.0 and math.isfinite(step_ms)):
             return False
-        b = self._bucket(batch)
-        base, inc = self._prior_at(batch, drafted)
+        _, b, base, inc = self.fit_inputs(batch, drafted)
         ok = _observe(self._state, b, drafted / batch, inc[drafted], step_ms / base,
                       max(drafter_ms, 0.0) / base, drafted / batch)
         if ok:
@@ -355,7 +360,10 @@ class OnlineStepCosts:
         nothing from exploring), and only while the uncertainty is worth a
         share of a step. The caller explores only if the bounds
         ``1 -/+ shade`` choose different drafts."""
-        b = self._bucket(batch)
+        return self._explore_shade(batch, self._bucket(batch))
+
+    def _explore_shade(self, batch: int, b: int) -> float:
+        """:meth:`explore_shade` in bucket ``b``, that of ``batch``."""
         self._steps[b] += 1
         self.decisions += 1
         if self._steps[b] % EXPLORE_EVERY != 1:
@@ -374,8 +382,12 @@ class OnlineStepCosts:
         ``tokens`` draft tokens itself (``_table``) or the cost of a first
         draft token (``_first_token_cost``): the state, the bucket of
         ``batch``, the prior's one-token step and its increments."""
+        last = self._last_fit  # the common call: the batch size of the call before
+        if last[0] == batch and len(last[2]) > tokens:
+            return self._state, last[3], last[1], last[2]
         b = self._bucket(batch)
         base, inc = self._prior_at(batch, tokens)
+        self._last_fit = (batch, base, inc, b)
         return self._state, b, base, inc
 
     def summary(self, batch: int) -> dict:

@@ -220,18 +220,20 @@ class DraftBudget:
         less than that cost. Call once per step, before drafting: it also
         decides whether the step explores (then the floor is the lower
         bound's, which lets either bound's drafts through)."""
-        self._draft = self.guard is None or self.guard.drafts(batch)
+        guard, costs = self.guard, self.costs
+        self._draft = guard is None or guard.drafts(batch)
         if not self._draft:
             self._explore = False
             return 1.0  # no estimate reaches it: the drafter walks nothing
-        if self.costs is None:
+        if costs is None:
             t = self.step_ms(batch, 1)
             cost = (t[1] - t[0]) / t[0]
             return self.calibrator.lowest_estimate_above(batch * cost)
-        self._shade = self.costs.explore_shade(batch)
-        self._explore = self._shade > 0.0
-        state, b, _, inc = self.costs.fit_inputs(batch, 1)
-        return _floor_on_fit(state, b, inc, -self._shade, batch, *self.calibrator.counts())
+        self._shade = shade = costs.explore_shade(batch)
+        self._explore = shade > 0.0
+        state, b, _, inc = costs.fit_inputs(batch, 1)
+        hits, trials = self.calibrator.counts()
+        return _floor_on_fit(state, b, inc, -shade, batch, hits, trials)
 
     def __call__(self, probs: np.ndarray, lengths: np.ndarray, batch: int) -> np.ndarray:
         """:func:`choose_lengths` with this budget's model and calibration;
@@ -240,12 +242,14 @@ class DraftBudget:
         if not self._draft:
             out[:] = 0
             return out
-        if self.costs is not None and not self._explore and probs.ndim == 2:  # an ordinary step
+        costs = self.costs
+        if costs is not None and not self._explore and probs.ndim == 2:  # an ordinary step
             most = len(lengths) * probs.shape[1]
-            state, b, base, inc = self.costs.fit_inputs(batch, most)
+            state, b, base, inc = costs.fit_inputs(batch, most)
             if len(self._table) <= most:
                 self._table = np.empty(2 * most + 1)
-            if _choose_on_fit(probs, lengths, batch, state, b, base, inc, *self.calibrator.counts(),
+            hits, trials = self.calibrator.counts()
+            if _choose_on_fit(probs, lengths, batch, state, b, base, inc, hits, trials,
                               out, self._table, self._rate) >= 0:
                 return out
         rate = self.calibrator.rate()

@@ -50,6 +50,9 @@ from . import path_kernels as R
 from .paths import OLD_FULL_AT, ROTATE_AT, PathRegistry  # noqa: F401  (their home is paths)
 from .forest import UNSET, ForestFull, SuffixForest
 
+ndarray = np.ndarray
+_I64 = np.dtype(np.int64)  # the one int64 dtype object numpy gives native arrays
+
 
 @dataclass(frozen=True)
 class DrafterOptions:
@@ -182,17 +185,27 @@ class ConsensusDrafter(PathRegistry):
         options' one for this call. The arrays returned are the forest's
         buffers: valid until the next call."""
         o, f = self.options, self.forest
-        paths, rows, begins, ends, max_tokens = (
-            a if type(a) is np.ndarray and a.dtype == np.int64 else np.asarray(a, np.int64)
-            for a in (paths, rows, begins, ends, max_tokens))
+        # the common call (the proposer's: int64 arrays) converts nothing; a
+        # dtype check by identity, not ==, which costs a conversion of its own
+        if type(paths) is not ndarray or paths.dtype is not _I64:
+            paths = np.asarray(paths, np.int64)
+        if type(rows) is not ndarray or rows.dtype is not _I64:
+            rows = np.asarray(rows, np.int64)
+        if type(begins) is not ndarray or begins.dtype is not _I64:
+            begins = np.asarray(begins, np.int64)
+        if type(ends) is not ndarray or ends.dtype is not _I64:
+            ends = np.asarray(ends, np.int64)
+        if type(max_tokens) is not ndarray or max_tokens.dtype is not _I64:
+            max_tokens = np.asarray(max_tokens, np.int64)
         m = len(paths)
         if not m == len(rows) == len(begins) == len(ends) == len(max_tokens) or paths.ndim != 1:
             raise ValueError("paths, rows, begins, ends and max_tokens must have equal length")
-        buffer = buffer if type(buffer) is np.ndarray and buffer.ndim == 2 else np.asarray(buffer)
+        if type(buffer) is not ndarray:
+            buffer = np.asarray(buffer)
         if buffer.ndim != 2 or buffer.dtype.kind not in "iu":
             raise ValueError("token buffer must be a 2-D integer array")
-        floor = o.min_prob if min_prob is None else max(o.min_prob, min_prob)
-        check_room = not f.tidy_pending
+        floor = min_prob if min_prob is not None and min_prob > o.min_prob else o.min_prob  # max()
+        check_room = f._dirty is None and f._spare_done >= f._slots  # not f.tidy_pending
         if not check_room:
             self._make_room()
         if m > len(f._lens):
@@ -204,10 +217,17 @@ class ConsensusDrafter(PathRegistry):
                 f._nodes, t0, t1, f._shift, f.half, f._state, f.meta, f.max_depth, f.young,
                 f._slots, self._cursor, self._path_group, self._groups, self._reg, paths, buffer,
                 rows, begins, ends, max_tokens, o.cross_group_weight, floor, o.min_match, o.prior,
-                self._cross_start(), check_room, ROTATE_AT, OLD_FULL_AT, o.cross_group_tokens,
-                f._starts, f._memo, f._toks, f._probs, f._lens)
+                self._cross_roots[-1] if o.cross_group_weight > 0 else -1, check_room, ROTATE_AT,
+                OLD_FULL_AT, o.cross_group_tokens, f._starts, f._memo, f._toks, f._probs, f._lens)
             if not err:
-                return (f._toks[:m * k].reshape(m, k), f._probs[:m * k].reshape(m, k), f._lens[:m])
+                views = f.draft_views.get((m, k))
+                if views is None:  # made once per shape: a batch drains through few
+                    views = (f._toks[:m * k].reshape(m, k), f._probs[:m * k].reshape(m, k),
+                             f._lens[:m])
+                    if len(f.draft_views) >= 256:
+                        f.draft_views.clear()
+                    f.draft_views[m, k] = views
+                return views
             if err == R.ROOM:  # rotate or restart the cross-group trie, then go on
                 self._make_room()
                 check_room = False

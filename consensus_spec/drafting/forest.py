@@ -249,6 +249,7 @@ class SuffixForest:
         while w < width:
             w *= 2
         self._toks = np.zeros(r * w, np.int32)
+        self.draft_views = {}  # (rows, k) -> (tokens, probs, lengths) views of these (the drafter's)
         self._probs = np.zeros(r * w, np.float64)
         self._lens = np.zeros(r, np.int32)
         self._starts = np.zeros((r, 2), np.int64)

@@ -103,6 +103,7 @@ class ConsensusProposer:
         self._failing = 0      # failing steps in a row
         self._logged: set[str] = set()  # exception types already logged with a traceback
         self._flat = self._offsets = np.zeros(0, np.int64)  # the drafts packed for vLLM's lists
+        self._room = np.zeros(0, np.int64)  # draft tokens each row may get (_propose)
         self._reset()
         self.warmup_s = self._warm_up() if self.proposer_options.warmup else 0.0
         if self.proposer_options.commit_arena:  # after the warm-up's last reset: this arena stays
@@ -248,7 +249,11 @@ class ConsensusProposer:
         clean = verified is not None and len(step.rows) == num_rows and rows.events == before
         self._time_step(num_rows, verified if clean else None, start)
         self._last_rows = num_rows
-        room = np.minimum(self.max_model_len - 1 - step.ends, self.num_speculative_tokens)  # < 0: none
+        m = len(step.ends)
+        if len(self._room) < m:
+            self._room = np.zeros(2 * m, np.int64)
+        room = self._room[:m]  # min(max_model_len - 1 - ends, k) (< 0: none), no numpy temporaries
+        row_kernels._room(step.ends, self.max_model_len - 1, self.num_speculative_tokens, room)
         floor = self.budget.floor(num_rows) if self.budget is not None else None
         # every row's new tokens go in before any row drafts, so each path
         # drafts from its siblings' tokens of this very step
@@ -270,7 +275,7 @@ class ConsensusProposer:
         n = row_kernels._pack(rows, tokens, lengths, num_rows, self._flat, self._offsets)
         self.num_drafted += n
         flat, at = self._flat[:n].tolist(), self._offsets[:num_rows + 1].tolist()
-        return [flat[at[i]:at[i + 1]] for i in range(num_rows)]
+        return [flat[a:b] for a, b in zip(at, at[1:])]
 
     def _observe(self) -> int | None:
         """Count what the verifier kept of last step's drafts; calibrate on
@@ -287,17 +292,19 @@ class ConsensusProposer:
     def _time_step(self, num_rows: int, verified: int | None, start: float | None) -> None:
         """Charge the engine step that just ran (``verified`` None: not
         attributable) to the budget's cost fit; log what it learned now and then."""
-        if self.budget is None or self.budget.costs is None or start is None:
+        budget = self.budget
+        if budget is None or budget.costs is None or start is None:
             return
-        if self._last_end is not None and not self._idle(start - self._last_end):
+        last_end = self._last_end
+        if last_end is not None and not self._idle(start - last_end):
             # every step, clean or not, for the guard
-            self.budget.observe_throughput(int(self.rows.step_tokens),
-                                           start - self._last_end + self._last_call_s)
-        if verified is None or self._last_end is None:
+            budget.observe_throughput(int(self.rows.step_tokens),
+                                      start - last_end + self._last_call_s)
+        if verified is None or last_end is None:
             self.steps_unattributed += 1
         else:
-            self.budget.observe_step(num_rows, verified, 1000.0 * (start - self._last_end),
-                                     1000.0 * self._last_call_s)
+            budget.observe_step(num_rows, verified, 1000.0 * (start - last_end),
+                                1000.0 * self._last_call_s)
             self.steps_timed += 1
             if self._memory is not None and self.steps_timed % SAVE_EVERY_STEPS == 0:
                 self._memory.maybe_save()

@@ -294,3 +294,11 @@ def _pack(rows, tokens, lengths, num_rows, flat, offsets):
             j += 1
     offsets[num_rows] = n
     return n
+
+
+@kernel
+def _room(ends, limit, k, out):
+    """``out[i] = min(limit - ends[i], k)``: how many draft tokens row i may
+    get (< 0: none), as ``np.minimum(limit - ends, k)`` would give it."""
+    for i in range(ends.shape[0]):
+        out[i] = min(limit - ends[i], k)

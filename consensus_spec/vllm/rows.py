@@ -48,9 +48,10 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from . import row_kernels as K
-from .parking import Parked
+from .parking import FREE, Parked
 from .row_kernels import MAX_MISSED, TAIL  # constants: compile() swaps only the kernels
 
+ndarray = np.ndarray
 _MAX_PER_KEY = 16  # parked paths kept with one (length, hash): see the module docstring
 
 
@@ -175,7 +176,10 @@ class RowTracker:
         """Where each row's new tokens are, and whose they are. Call once per step.
         Raises ValueError (and changes nothing) if the arguments' shapes don't fit."""
         num_rows = len(sampled_token_ids)
-        ends, token_ids = np.asarray(num_tokens), np.asarray(token_ids)  # no copies
+        # vLLM's arrays pass as they are (no copies, no conversions)
+        ends = num_tokens if type(num_tokens) is ndarray else np.asarray(num_tokens)
+        if type(token_ids) is not ndarray:
+            token_ids = np.asarray(token_ids)
         if ends.ndim != 1 or len(ends) < num_rows or not (num_rows == 0 or _integers(ends)):
             raise ValueError(f"num_tokens: need {num_rows} integers, got {ends.dtype} {ends.shape}")
         if token_ids.ndim != 2 or len(token_ids) < num_rows or not _integers(token_ids):
@@ -185,25 +189,36 @@ class RowTracker:
             counts = np.fromiter(map(len, sampled_token_ids), np.int64, num_rows)
         except TypeError:  # an entry that is not a list: that row alone sits out
             counts = np.fromiter((_length(s) for s in sampled_token_ids), np.int64, num_rows)
-        ends = ends[:num_rows]
+        if len(ends) != num_rows:
+            ends = ends[:num_rows]
         if ends.dtype.kind != "i":  # [] is float
             ends = ends.astype(np.int64)
-        self._grow(num_rows, token_ids.shape[1])
-        self._parked.reserve(self._rows)  # a step parks at most a path per row
-        self._counts = counts
-        self._flip ^= 1
-        out, contiguous = self._out[self._flip], self._contiguous[self._flip]
+        if num_rows > self._rows or len(self._scratch) <= token_ids.shape[1]:
+            self._grow(num_rows, token_ids.shape[1])
         pk = self._parked
+        if pk.meta[FREE] < self._rows:
+            pk.reserve(self._rows)  # a step parks at most a path per row
+        self._counts = counts
+        self._flip = flip = self._flip ^ 1
+        out, contiguous = self._out[flip], self._contiguous[flip]
         (m, released, moved, missed, unresolved, rejected, resumed, self._step_tokens) = K._match(
             counts, ends, token_ids, self._token_limit, self._rs, self._hs, self._tails,
             self._window, self._flags, self._idx, self._scratch, out, contiguous, pk.keys,
             pk.paths, pk.table, pk.meta, pk.free, self._max_parked, self._max_per_key,
             self._released)
-        step = RowUpdate(out[0, :m], out[1, :m], out[2, :m], out[3, :m], contiguous[:m])
-        self.paths_moved += moved
-        self.tokens_missed += missed
-        self.rows_rejected += rejected
-        self.paths_resumed += resumed
+        o = self._views[flip]
+        step = o.get(m)
+        if step is None:  # views of the buffers, kept per length (a batch drains through few)
+            step = RowUpdate(out[0, :m], out[1, :m], out[2, :m], out[3, :m], contiguous[:m])
+            if len(o) >= 64:
+                o.clear()
+            o[m] = step
+        if moved:
+            self.paths_moved += moved
+        if missed or rejected or resumed:
+            self.tokens_missed += missed
+            self.rows_rejected += rejected
+            self.paths_resumed += resumed
         if released:
             self.paths_released += released
             self._paths.release_paths(self._released[:released].copy())
@@ -260,6 +275,7 @@ class RowTracker:
             self._contiguous = np.zeros((2, n), np.bool_)
             self._released = np.zeros(2 * n + 2, np.int64)  # a park releases at most two
             self._accepted = np.zeros(n, np.int64)
+            self._views = ({}, {})  # per output buffer: length -> RowUpdate of views (update)
             self._rows = n
             self._scratch = np.zeros(0, np.uint64)
         if len(self._scratch) < width + 1:
