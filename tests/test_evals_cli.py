@@ -110,3 +110,30 @@ def test_a_bad_trace_line_is_an_error_unless_skipped(tmp_path):
         out = evals(command, "--traces", str(path), *map(str, args), "--skip-bad-lines")
         assert out.returncode == 0, (command, out.stderr[-2000:])
         assert "bad.jsonl: skipped 1 line(s) not a JSON object: 2" in out.stderr, command
+
+
+def test_serve_sc_merge_joins_runs_split_across_invocations(tmp_path, capsys):
+    """Two runs saved by two ``serve-sc --out`` invocations give one table of
+    both (means and per-run ranges), with no server started."""
+    from consensus_spec.model.synthetic import test_set
+    from evals.math import serve_sc
+
+    golds = [p["answer"] for p in test_set(2)]
+
+    def cell(wall, right):
+        return {"wall_s": wall, "server_cpu_s": 2.0 * wall, "client_cpu_s": 0.1, "records": [
+            {"ok": True, "i": i, "s": 0.5 + i, "answer": str(golds[i]) if right else "-1",
+             "tokens": 100, "paths": 16, "mode": "all"} for i in range(2)]}
+
+    files = []
+    for run, (fast, slow) in enumerate([(1.0, 2.0), (2.0, 2.0)]):
+        files.append(tmp_path / f"r{run}.json")
+        files[-1].write_text(json.dumps({"runs": {"None": [{
+            "endpoint": {"4": cell(fast, True)}, "client-drafting": {"4": cell(slow, run == 0)}}]}}))
+    argv = ["--problems", "2", "--concurrency", "4", "--configs", "endpoint,client-drafting", "--merge"]
+    assert serve_sc.main(argv + [str(f) for f in files]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| endpoint |"))
+    assert "| 1.500 (1.000-2.000) | 1.50 (1.00-2.00) / - |" in row  # 2 answers in 1 s and in 2 s
+    assert "| 1.000 (±0.000) |" in row  # gold: both runs right
+    with pytest.raises(SystemExit):  # a concurrency the files never ran
+        serve_sc.main(["--problems", "2", "--concurrency", "8", "--merge", str(files[0])])

@@ -15,26 +15,20 @@ is back) ask for the voted answer of the embedded model's test problems:
 - ``client-nospec``: the same client on a server without speculative decoding.
 
 One server per configuration per run, all up at once, each at every
-``--concurrency`` (one that fills the batch and one that does not), for
-each ``--max-num-seqs`` (``default``: the flag left out, as a server is
-usually started).  At each concurrency the configurations take turns of a
-few problems per client, in an order that alternates turn by turn and run
-by run, so a slow minute on this shared machine falls on all of them.  Each server first answers ``--warmup``
-other problems untimed: consensus drafts from other prompts' paths too, so
-a server that has just started drafts less than one that has run a while
-(on the embedded model the acceptance length rose from 2.6 to 5.8 over a
-new server's first 40 s).  Per configuration and concurrency: answers/s, tokens
-per answer, p50/p95/p99 latency per answer, gold accuracy, the server's
-process-tree CPU seconds beside the wall time, and the ratios to both
-clients.
+``--concurrency`` and ``--max-num-seqs`` (``default``: the flag left out).
+The configurations take turns of a few problems per client, in an order
+alternating turn by turn and run by run, so a slow minute on this shared
+machine falls on all of them.  Each server first answers ``--warmup`` other
+problems untimed (consensus drafts from other prompts' paths too: a new
+server's acceptance length rose from 2.6 to 5.8 over its first 40 s).  Per
+configuration and concurrency: answers/s, tokens and paths per answer,
+p50/p95/p99 latency, gold accuracy, the server's CPU seconds beside the
+wall, and the ratios to both clients.  ``--merge`` joins runs split across
+invocations (``--first-run``) into one table.
 
-Agreement with a full-n vote: ``endpoint-full`` returns its n paths, and
-the endpoint's stop rule and waves are replayed on them in wave order (the
-endpoint votes whole waves, so this is the decision it takes on those
-paths); the replayed answer is compared with the full-n vote of the same
-paths.  (Comparing two requests is no measure: a seed does not repeat a
-path across requests once drafting is on, and two independent full-n votes
-of this model disagree on many problems.)
+Agreement with a full-n vote: the endpoint's stop rule and waves replayed on
+``endpoint-full``'s n paths, against their full-n vote (two requests' votes are
+no measure: a seed does not repeat a path once drafting is on).
 """
 
 from __future__ import annotations
@@ -273,15 +267,23 @@ def markdown(table: dict, args, rows: int | None) -> str:
     return "\n".join(lines)
 
 
-def saved_runs(paths) -> dict:
-    """The runs ``--out`` files saved, by row limit (None: the flag left out),
-    concurrency keys back to ints."""
+def saved_runs(args) -> dict:
+    """``--merge``: the files' runs by row limit (None: the flag left out), concurrency
+    keys back to ints; ValueError when they lack a configuration or concurrency asked for."""
     runs: dict = {}
-    for path in paths:
-        saved = json.loads(Path(path).read_text(encoding="utf-8"))
-        for rows, rr in saved["runs"].items():
-            runs.setdefault(None if rows == "None" else int(rows), []).extend(
-                {c: {int(k): v for k, v in by.items()} for c, by in r.items()} for r in rr)
+    for path in args.merge:
+        try:
+            saved = json.loads(Path(path).read_text(encoding="utf-8"))["runs"]
+            for rows, rr in saved.items():
+                runs.setdefault(None if rows == "None" else int(rows), []).extend(
+                    {c: {int(k): v for k, v in by.items()} for c, by in r.items()} for r in rr)
+        except (OSError, KeyError, TypeError, AttributeError, ValueError) as e:
+            raise ValueError(f"{path}: not a serve-sc --out file ({e})") from None
+    missing = [(c, k) for rr in runs.values() for r in rr for c in args.configs
+               for k in args.concurrency if k not in r.get(c, {})]
+    if missing or not runs:
+        raise ValueError(f"the files hold no run of {missing[:1]}: give the flags they ran with")
+    args.rows, args.runs = list(runs), len(next(iter(runs.values())))
     return runs
 
 
@@ -291,30 +293,23 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--concurrency", default="1,8", help="comma list; 8 x n=16 fills 32 rows")
-    ap.add_argument("--max-num-seqs", default="32",
-                    help="comma list of server row limits; 'default' leaves the flag out")
+    ap.add_argument("--max-num-seqs", default="32", help="comma list of row limits; 'default': flag left out")
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--first-run", type=int, default=0,
-                    help="the first run's index (configs alternate order by run): runs split "
-                         "across invocations stay interleaved")
+                    help="the first run's index (configs alternate order by run), for runs split up")
     ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--run-ahead", default="default",
-                    choices=("default", "throughput", "measured", "idle"),
-                    help="the endpoint's CONSENSUS_SPEC_SC_RUN_AHEAD (default: left unset, the "
-                         "server's own default)")
-    ap.add_argument("--schedule", help="a schedule the endpoint configs name in each request "
-                                       "(default: none, the engine's load picks)")
-    ap.add_argument("--warmup", type=int, default=64,
-                    help="problems (not the timed ones) each server answers before the timed "
-                         "runs, at the highest concurrency; 0: one request")
+    ap.add_argument("--run-ahead", default="default", choices=("default", "throughput", "measured", "idle"),
+                    help="the endpoint's CONSENSUS_SPEC_SC_RUN_AHEAD (default: unset)")
+    ap.add_argument("--schedule", help="a schedule the endpoint configs name in each request (default: none)")
+    ap.add_argument("--warmup", type=int, default=64, help="untimed problems each server answers "
+                    "first, at the highest concurrency; 0: one request")
     ap.add_argument("--seed", type=int, default=1000)
     ap.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     ap.add_argument("--out", type=Path, help="JSON of every request and the table")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/serve_sc_logs"))
-    ap.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
-                    help="start no server: one table of the runs earlier --out files saved (runs "
-                         "split with --first-run); give the flags those runs were given")
+    ap.add_argument("--merge", nargs="+", type=Path, metavar="JSON", help="no server: one table of the "
+                    "runs earlier --out files saved; give the flags they ran with")
     args = ap.parse_args(argv)
     try:
         args.rows = [None if r.strip() == "default" else int(r) for r in args.max_num_seqs.split(",")]
@@ -337,14 +332,9 @@ def main(argv=None) -> int:
           f"{args.problems} problems, n {args.n}, {args.runs} run(s); cpus {os.cpu_count()}")
     if args.merge:
         try:
-            runs = saved_runs(args.merge)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            ap.error(f"--merge: not a serve-sc --out file ({e})")
-        missing = [(c, k) for rr in runs.values() for r in rr for c in args.configs
-                   for k in args.concurrency if k not in r.get(c, {})]
-        if missing:
-            ap.error(f"--merge: the files hold no run of {missing[0]}: give the flags they ran with")
-        args.rows, args.runs = list(runs), len(next(iter(runs.values())))
+            runs = saved_runs(args)
+        except ValueError as e:
+            ap.error(f"--merge: {e}")
     else:
         runs = {rows: [] for rows in args.rows}
         for run in range(args.first_run, args.first_run + args.runs):
