@@ -206,12 +206,7 @@ class MeasuredStepCosts(OnlineStepCosts):
     def explore_shade(self, batch: int) -> float:
         b = self._bucket(batch)
         state = self._state
-        if self._probe_left[b] == 0 and (state.item(b, COUNT) < MIN_EFFECTIVE
-                                         or state.item(b, DRAFTED) * batch >= IDLE_DRAFTS):
-            self._probe_countdown[b] = self._probe_wait[b]  # it drafts: no probe (_probe's test)
-            self.probing = False
-        else:
-            self.probing = self._probe(batch, b)
+        self.probing = self._probe(batch, b)
         if self.probing:
             self._steps[b] += 1
             self.decisions += 1

@@ -293,7 +293,7 @@ class OnlineStepCosts:
     def _bucket(self, batch: int) -> int:
         """The bucket of ``batch``; at its first use, it borrows the fit of
         the nearest trained bucket."""
-        b = _LOG2[batch] if 0 <= batch < _LOG2_N else bucket_of(batch)
+        b = bucket_of(batch)
         if not self._started[b]:
             self._started[b] = True
             state = self._state

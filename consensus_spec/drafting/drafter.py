@@ -205,7 +205,7 @@ class ConsensusDrafter(PathRegistry):
         if buffer.ndim != 2 or buffer.dtype.kind not in "iu":
             raise ValueError("token buffer must be a 2-D integer array")
         floor = min_prob if min_prob is not None and min_prob > o.min_prob else o.min_prob  # max()
-        check_room = f._dirty is None and f._spare_done >= f._slots  # not f.tidy_pending
+        check_room = not f.tidy_pending
         if not check_room:
             self._make_room()
         if m > len(f._lens):
@@ -217,8 +217,8 @@ class ConsensusDrafter(PathRegistry):
                 f._nodes, t0, t1, f._shift, f.half, f._state, f.meta, f.max_depth, f.young,
                 f._slots, self._cursor, self._path_group, self._groups, self._reg, paths, buffer,
                 rows, begins, ends, max_tokens, o.cross_group_weight, floor, o.min_match, o.prior,
-                self._cross_roots[-1] if o.cross_group_weight > 0 else -1, check_room, ROTATE_AT,
-                OLD_FULL_AT, o.cross_group_tokens, f._starts, f._memo, f._toks, f._probs, f._lens)
+                self._cross_start(), check_room, ROTATE_AT, OLD_FULL_AT, o.cross_group_tokens,
+                f._starts, f._memo, f._toks, f._probs, f._lens)
             if not err:
                 views = f.draft_views.get((m, k))
                 if views is None:  # made once per shape: a batch drains through few

@@ -48,7 +48,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from . import row_kernels as K
-from .parking import FREE, Parked
+from .parking import Parked
 from .row_kernels import MAX_MISSED, TAIL  # constants: compile() swaps only the kernels
 
 ndarray = np.ndarray
@@ -193,11 +193,9 @@ class RowTracker:
             ends = ends[:num_rows]
         if ends.dtype.kind != "i":  # [] is float
             ends = ends.astype(np.int64)
-        if num_rows > self._rows or len(self._scratch) <= token_ids.shape[1]:
-            self._grow(num_rows, token_ids.shape[1])
+        self._grow(num_rows, token_ids.shape[1])
         pk = self._parked
-        if pk.meta[FREE] < self._rows:
-            pk.reserve(self._rows)  # a step parks at most a path per row
+        pk.reserve(self._rows)  # a step parks at most a path per row
         self._counts = counts
         self._flip = flip = self._flip ^ 1
         out, contiguous = self._out[flip], self._contiguous[flip]
