@@ -76,8 +76,8 @@ class RunOptionsIn(Strict):
     # fields; false/null: all n paths (parse_stop_rule).
     early_stop: Union[bool, str, float, dict, None] = True
     # "2", "4,4,rest", "all" (Schedule.parse), or an object of Schedule fields but
-    # capacity; default: with early stop the engine's load picks waves of 2 or all
-    # at once; without, all at once.
+    # capacity; default: with early stop the engine's load picks all at once or
+    # waves (sampling/load_policy.py); without, all at once.
     schedule: Union[str, dict, None] = None
     # an object of Voting fields but extract (answer_pattern sets it)
     voting: Optional[dict] = None
