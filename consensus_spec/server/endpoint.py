@@ -43,6 +43,9 @@ so under load waves run one after another and early stop saves their
 tokens.  ``CONSENSUS_SPEC_SC_IDLE_FILL``: ``oldest`` (default) gives idle
 rows to older runs first, the problems whose votes have not settled (the
 tail of the answer times); ``any`` to whichever run asks.
+``CONSENSUS_SPEC_SC_QUEUE``: ``oldest`` (default) holds the endpoint's paths
+while the batch is full and lets them in oldest problem first
+(:mod:`.path_queue`); ``engine`` sends each at once to vLLM's own queue.
 ``CONSENSUS_SPEC_SC_DEFAULTS``: the server's defaults for the run options
 (a JSON object, see :mod:`.options`).
 """
@@ -60,6 +63,7 @@ from collections import Counter
 
 from . import PLUGIN_NAME, ROUTE
 from .options import BadRequest, Limits, parse_defaults
+from .path_queue import QUEUES
 from .protocol import SelfConsistencyRequest, is_many, parse_request, problem_json
 from .runs import error, run_request, serve, sse, streams_paths, until_disconnect
 from .state import ServerState
@@ -84,6 +88,16 @@ def _env_int(name: str, default: int) -> int:
         logger.warning("consensus_spec: %s=%r is not an int >= 1; using %d", name, raw, default)
         return default
     return value
+
+
+def _env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """The environment's ``name`` if one of ``choices``, else (warned) the first."""
+    raw = os.environ.get(name, choices[0])
+    if raw not in choices:
+        logger.warning("consensus_spec: %s=%r is not one of %s; using %r", name, raw, choices,
+                       choices[0])
+        return choices[0]
+    return raw
 
 
 def _allowed_plugins() -> list[str] | None:
@@ -144,20 +158,12 @@ class SelfConsistencyPlugin:
             return  # render-only server: the route answers 503
         sched = getattr(getattr(engine_client, "vllm_config", None), "scheduler_config", None)
         max_seqs = getattr(sched, "max_num_seqs", None) or 256
-        idle_fill = os.environ.get("CONSENSUS_SPEC_SC_IDLE_FILL", IDLE_FILL[0])
-        if idle_fill not in IDLE_FILL:
-            logger.warning("consensus_spec: CONSENSUS_SPEC_SC_IDLE_FILL=%r is not one of %s; "
-                           "using %r", idle_fill, IDLE_FILL, IDLE_FILL[0])
-            idle_fill = IDLE_FILL[0]
-        run_ahead = os.environ.get("CONSENSUS_SPEC_SC_RUN_AHEAD", RUN_AHEAD[0])
-        if run_ahead not in RUN_AHEAD:
-            logger.warning("consensus_spec: CONSENSUS_SPEC_SC_RUN_AHEAD=%r is not one of %s; "
-                           "using %r", run_ahead, RUN_AHEAD, RUN_AHEAD[0])
-            run_ahead = RUN_AHEAD[0]
+        idle_fill = _env_choice("CONSENSUS_SPEC_SC_IDLE_FILL", IDLE_FILL)
+        run_ahead = _env_choice("CONSENSUS_SPEC_SC_RUN_AHEAD", RUN_AHEAD)
         limits = Limits(max_n=_env_int("CONSENSUS_SPEC_SC_MAX_N", 64),
                         max_prompts=_env_int("CONSENSUS_SPEC_SC_MAX_PROMPTS", 64),
                         max_inflight=_env_int("CONSENSUS_SPEC_SC_MAX_INFLIGHT", max(1, max_seqs // 2)),
-                        idle_fill=idle_fill)
+                        idle_fill=idle_fill, queue=_env_choice("CONSENSUS_SPEC_SC_QUEUE", QUEUES))
         # a bad default is the operator's: refuse to start, naming it
         defaults = parse_defaults(os.environ.get("CONSENSUS_SPEC_SC_DEFAULTS"))
         from .step_costs import ensure_costs
@@ -167,8 +173,9 @@ class SelfConsistencyPlugin:
                                          run_ahead, costs, getattr(state, "online_renderer", None))
         logger.info("consensus_spec: POST %s, %s/completions and %s/chat/completions served "
                     "(max n %d, %d problems a request, %d paths in flight a request, idle fill "
-                    "%s, run-ahead %s, step costs %s)", ROUTE, ROUTE, ROUTE, limits.max_n,
-                    limits.max_prompts, limits.max_inflight, limits.idle_fill, run_ahead,
+                    "%s, run-ahead %s, paths queued %s, step costs %s)", ROUTE, ROUTE, ROUTE,
+                    limits.max_n, limits.max_prompts, limits.max_inflight, limits.idle_fill,
+                    run_ahead, "oldest problem first" if limits.queue == "oldest" else "by the engine",
                     "measured from the engine's steps" if costs.measured else
                     f"from the {costs.prior_name} model only (no stats: --disable-log-stats?)")
         if defaults:
