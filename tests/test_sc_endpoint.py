@@ -42,7 +42,7 @@ def test_plugin_loaded_and_said_so(server):
     assert "consensus_spec: POST /v1/self_consistency, /v1/self_consistency/completions and " \
            "/v1/self_consistency/chat/completions served (max n 32, 64 problems a request, " \
            f"{MAX_INFLIGHT} paths in flight a request, idle fill oldest, run-ahead throughput, " \
-           "paths queued oldest problem first, step costs measured from the engine's steps)" in log
+           "step costs measured from the engine's steps)" in log
     assert "is off" not in log and "are not loaded" not in log
 
 

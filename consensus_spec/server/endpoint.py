@@ -43,9 +43,6 @@ so under load waves run one after another and early stop saves their
 tokens.  ``CONSENSUS_SPEC_SC_IDLE_FILL``: ``oldest`` (default) gives idle
 rows to older runs first, the problems whose votes have not settled (the
 tail of the answer times); ``any`` to whichever run asks.
-``CONSENSUS_SPEC_SC_QUEUE``: ``oldest`` (default) holds the endpoint's paths
-while the batch is full and lets them in oldest problem first
-(:mod:`.path_queue`); ``engine`` sends each at once to vLLM's own queue.
 ``CONSENSUS_SPEC_SC_DEFAULTS``: the server's defaults for the run options
 (a JSON object, see :mod:`.options`).
 """
@@ -63,7 +60,6 @@ from collections import Counter
 
 from . import PLUGIN_NAME, ROUTE
 from .options import BadRequest, Limits, parse_defaults
-from .path_queue import QUEUES
 from .protocol import SelfConsistencyRequest, is_many, parse_request, problem_json
 from .runs import error, run_request, serve, sse, streams_paths, until_disconnect
 from .state import ServerState
@@ -163,7 +159,7 @@ class SelfConsistencyPlugin:
         limits = Limits(max_n=_env_int("CONSENSUS_SPEC_SC_MAX_N", 64),
                         max_prompts=_env_int("CONSENSUS_SPEC_SC_MAX_PROMPTS", 64),
                         max_inflight=_env_int("CONSENSUS_SPEC_SC_MAX_INFLIGHT", max(1, max_seqs // 2)),
-                        idle_fill=idle_fill, queue=_env_choice("CONSENSUS_SPEC_SC_QUEUE", QUEUES))
+                        idle_fill=idle_fill)
         # a bad default is the operator's: refuse to start, naming it
         defaults = parse_defaults(os.environ.get("CONSENSUS_SPEC_SC_DEFAULTS"))
         from .step_costs import ensure_costs
@@ -173,9 +169,8 @@ class SelfConsistencyPlugin:
                                          run_ahead, costs, getattr(state, "online_renderer", None))
         logger.info("consensus_spec: POST %s, %s/completions and %s/chat/completions served "
                     "(max n %d, %d problems a request, %d paths in flight a request, idle fill "
-                    "%s, run-ahead %s, paths queued %s, step costs %s)", ROUTE, ROUTE, ROUTE,
-                    limits.max_n, limits.max_prompts, limits.max_inflight, limits.idle_fill,
-                    run_ahead, "oldest problem first" if limits.queue == "oldest" else "by the engine",
+                    "%s, run-ahead %s, step costs %s)", ROUTE, ROUTE, ROUTE, limits.max_n,
+                    limits.max_prompts, limits.max_inflight, limits.idle_fill, run_ahead,
                     "measured from the engine's steps" if costs.measured else
                     f"from the {costs.prior_name} model only (no stats: --disable-log-stats?)")
         if defaults:

@@ -55,7 +55,6 @@ class Limits:
     max_prompts: int = 64
     max_inflight: int = 128  # paths of one request in the engine at once
     idle_fill: str = "oldest"  # "oldest": idle rows to older runs first; "any": to whichever asks
-    queue: str = "oldest"  # "oldest": paths enter a full batch oldest problem first; "engine": vLLM's queue
 
 
 class Strict(BaseModel):

@@ -116,7 +116,7 @@ async def run_request(st, raw_request, run_id: str, prompts: list, make_params: 
     dp = getattr(st, "data_parallel_size", 1)
     ranks: dict[int, int] = {}  # id(prompt) -> its engine
 
-    def engine_generate(rid, prompt, params):
+    def generate(rid, prompt, params):
         if dp <= 1:
             return st.engine.generate(prompt, params, rid, priority=priority)
         rank = ranks.get(id(prompt))
@@ -124,20 +124,6 @@ async def run_request(st, raw_request, run_id: str, prompts: list, make_params: 
             rank = ranks[id(prompt)] = pinned if pinned is not None else \
                 data_parallel_rank(list(prompt["prompt_token_ids"]), dp)
         return st.engine.generate(prompt, params, rid, priority=priority, data_parallel_rank=rank)
-
-    queue, arrival = getattr(st, "queue", None), st.requests_total  # this run's age among the runs
-
-    def generate(rid, prompt, params):
-        if queue is None:
-            return engine_generate(rid, prompt, params)
-        problem, path = rid.rsplit("-", 2)[1:]  # the ids run_paths_async gives: run-problem-path
-        return queue.stream(rid, (arrival, int(problem), int(path)),
-                            lambda: engine_generate(rid, prompt, params))
-
-    async def abort(rids) -> None:
-        rest = list(rids) if queue is None else queue.drop(rids)
-        if rest:
-            await st.engine.abort(rest)
 
     pinned = _header_rank(raw_request, dp)
     # chosen and counted with no await before: requests arriving together see each other
@@ -151,7 +137,7 @@ async def run_request(st, raw_request, run_id: str, prompts: list, make_params: 
         if on_schedule is not None:
             on_schedule(choice)
         result = await run_paths_async(
-            generate, abort, prompts, make_params, n, schedule=schedule,
+            generate, st.engine.abort, prompts, make_params, n, schedule=schedule,
             stop_rule=opts.stop_rule, voting=opts.voting, max_tokens=max_tokens,
             delta=streams_paths(opts.stop_rule),
             run_id=run_id, on_vote=on_vote, on_problem_done=problem_done,

@@ -18,12 +18,10 @@ from ..sampling.run_ahead import RunAheadStats
 from ..sampling.waves import Schedule
 from ..voting import answers
 from .options import Limits
-from .path_queue import PathQueue
 from .runs import tasks_held
 
 __all__ = ["ServerState"]
 
-QUEUE_SLACK = 16  # paths beyond the batch queued in the engine: one per 16 rows (path_queue.py)
 ANSWER_TIMES = 64  # recent problems whose time to answer says when a run is late
 
 
@@ -42,13 +40,8 @@ class ServerState:
         self.run_ahead_mode = run_ahead
         self.measured_run_ahead = run_ahead != "idle"
         self.costs = costs  # EngineStepCosts (step_costs.py)
-        parallel = getattr(getattr(engine_client, "vllm_config", None), "parallel_config", None)
-        self.data_parallel_size = int(getattr(parallel, "data_parallel_size", 1) or 1)
-        # paths wait here while the batch is full, oldest problem first (path_queue.py)
-        self.queue = PathQueue(self._queue_rows) if limits.queue == "oldest" else None
         if costs is not None:  # what the engine's rows held beyond ours at each step
-            costs.own_rows = lambda: (self.queue.in_engine if self.queue is not None
-                                      else sum(self.runs.values()))
+            costs.own_rows = lambda: sum(self.runs.values())
         self.renderer = renderer  # vLLM's OnlineRenderer (the OpenAI-shaped routes)
         self.run_ahead_total = RunAheadStats()
         mc = engine_client.model_config
@@ -61,6 +54,8 @@ class ServerState:
         names = getattr(args, "served_model_name", None) or ([model] if model else [])
         self.model_names = [names] if isinstance(names, str) else list(names)
         self.max_model_len = engine_client.model_config.max_model_len
+        parallel = getattr(getattr(engine_client, "vllm_config", None), "parallel_config", None)
+        self.data_parallel_size = int(getattr(parallel, "data_parallel_size", 1) or 1)
         self.chat_template = getattr(args, "chat_template", None)
         self.runs: dict[str, int] = {}  # run id -> paths in the engine now
         self.client_ids: dict[str, str] = {}  # run id -> the client's X-Request-Id
@@ -76,13 +71,6 @@ class ServerState:
         # one prior for every run: the server learns how its traffic's problems split
         self.prior = AnswerPrior.learning()
         self.stopping = StoppingTotals()
-
-    def _queue_rows(self) -> int:
-        """Rows the endpoint's paths may hold in the engine: the batch less other
-        requests' rows, and a few more to wait in its queue (path_queue.py)."""
-        rows = self.max_num_seqs * self.data_parallel_size
-        other = self.costs.other_rows() if self.costs is not None and self.costs.measured else 0
-        return max(1, rows - other) + max(2, rows // QUEUE_SLACK)
 
     def idle_rows(self, run_id: str) -> int:
         """Rows ``run_id``'s idle fill may open early waves into: the batch
@@ -157,10 +145,7 @@ class ServerState:
             mine = [r for r, c in self.client_ids.items() if c == client_id]
             return {"request_id": client_id, "requests_active": len(mine),
                     "paths_in_flight": sum(self.runs.get(r, 0) for r in mine)}
-        queue = self.queue
         return {"requests_active": len(self.runs), "paths_in_flight": sum(self.runs.values()),
-                "paths_queue": None if queue is None else
-                {"in_engine": queue.in_engine, "waiting": queue.waiting, "held_total": queue.held_total},
                 "client_ids_held": len(self.client_ids), "planners_held": len(self.wants),
                 "tasks_held": tasks_held(),
                 # memos the votes and run-ahead keep: [entries, bound]
@@ -170,7 +155,7 @@ class ServerState:
                 "requests_unfinished": self.requests_unfinished,
                 "limits": {"max_n": self.limits.max_n, "max_prompts": self.limits.max_prompts,
                            "max_inflight": self.limits.max_inflight,
-                           "idle_fill": self.limits.idle_fill, "queue": self.limits.queue},
+                           "idle_fill": self.limits.idle_fill},
                 "defaults": self.defaults,
                 "schedule": {"requests": dict(self.schedules), "last": self.last_schedule,
                              "problems_in_flight": sum(left for left, _ in self.problems.values()),

@@ -46,9 +46,7 @@ from pathlib import Path
 from ..options import write_json
 from .servers import PLUGINS, SERVED, VllmServer, server_args
 
-CONFIGS = ("endpoint", "endpoint-openai", "endpoint-vllm-queue", "endpoint-full", "client-drafting",
-           "client-nospec")
-ENGINE_QUEUE = {"endpoint-vllm-queue": "endpoint-openai"}  # the same, paths sent to vLLM's queue at once
+CONFIGS = ("endpoint", "endpoint-openai", "endpoint-full", "client-drafting", "client-nospec")
 BASES = ("client-drafting", "client-nospec")  # what the endpoint's ratios are taken against
 
 
@@ -59,7 +57,6 @@ def ask(base_url: str, config: str, prob: dict, args) -> dict:
     from consensus_spec.voting.answers import extract_answer
     from consensus_spec.voting.vote import majority_vote
 
-    config = ENGINE_QUEUE.get(config, config)
     t0 = time.monotonic()
     body = {"model": SERVED, "prompt": prob["prompt"], "n": args.n, "temperature": 0.8,
             "max_tokens": args.max_tokens, "seed": prob["seed"]}
@@ -111,8 +108,6 @@ def run_configs(args, probs: list[dict], run: int, rows: int | None, warm: list[
             env = {"VLLM_PLUGINS": PLUGINS} if config.startswith("endpoint") else {}
             if config.startswith("endpoint") and args.run_ahead != "default":
                 env["CONSENSUS_SPEC_SC_RUN_AHEAD"] = args.run_ahead
-            if config in ENGINE_QUEUE:
-                env["CONSENSUS_SPEC_SC_QUEUE"] = "engine"
             servers[config] = stack.enter_context(VllmServer(
                 server_args(model_path(), config != "client-nospec", rows, args.max_model_len),
                 args.log_dir / f"run{run}_{config}_{rows or 'default'}.log", env))
