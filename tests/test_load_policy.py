@@ -20,19 +20,19 @@ def test_every_path_at_once_while_every_problem_in_flight_fits_in_the_batch():
     # one more problem in flight: n at once would queue, so it waves
     load = EngineLoad(max_rows=128, rows_busy=128, problem_rows=8 * 16, problems_in_flight=8)
     schedule, choice = choose_schedule(load, 1, 16, WAVES_OF_2)
-    assert choice.mode == WAVES and schedule.waves == (4, 4, "rest")  # 9 x 4 fit in 128 rows
+    assert choice.mode == WAVES and schedule.waves == (4, 4, "rest")  # 9 x 4 fit in 64 rows
     assert choice.rows_wanted == 144 and choice.as_dict()["max_rows"] == 128
 
 
-def test_few_waves_while_each_problems_wave_of_4_fits_in_the_batch():
-    # 32 problems in flight (this one too) x 4 = 128 of 128 rows: waves of 4, 4, rest
-    load = EngineLoad(max_rows=128, rows_busy=100, problem_rows=31 * 16, problems_in_flight=31)
+def test_few_waves_while_each_problems_wave_of_4_fits_in_half_the_batch():
+    # 16 problems in flight (this one too) x 4 = 64 of 128 rows: waves of 4, 4, rest
+    load = EngineLoad(max_rows=128, rows_busy=100, problem_rows=15 * 16, problems_in_flight=15)
     schedule, choice = choose_schedule(load, 1, 16, WAVES_OF_2)
     assert choice.mode == WAVES and schedule.waves == (4, 4, "rest") and choice.schedule == "4,4,rest"
-    assert schedule.capacity == 64 and "waves of 4 for 32 problems" in choice.reason
+    assert schedule.capacity == 64 and "waves of 4 for 16 problems" in choice.reason
     assert schedule.sizes(16) == [4, 4, 8]
-    # 33: 132 rows would be more than the batch, so waves of 2
-    load = EngineLoad(max_rows=128, rows_busy=100, problem_rows=32 * 16, problems_in_flight=32)
+    # 17: 68 rows would be more than half the batch, so waves of 2
+    load = EngineLoad(max_rows=128, rows_busy=100, problem_rows=16 * 16, problems_in_flight=16)
     assert choose_schedule(load, 1, 16, WAVES_OF_2)[0] == WAVES_OF_2
 
 
