@@ -111,8 +111,9 @@ STOP_RULE_FORMS = ("off, on, a kind, KIND:VALUE, KIND:FIELD=VALUE[,FIELD=VALUE..
 # fields an option took once: a request or command line that still sends one is told why it
 # is gone, not sent on with it ignored
 RETIRED = {"StopRule": {"forecast": "the vote on running paths' forecasts measured no gain "
-                                    "(docs/stopping.md) and is now a replay experiment in "
-                                    "evals/adaptive, not a library option"}}
+                                    "(docs/stopping.md) and left the library; it is a replay "
+                                    "experiment now (python -m evals waves --forecast both, "
+                                    "evals/adaptive/forecast_model.py)"}}
 OFF, ON = ("off", "none", "no", "false"), ("on", "true", "yes", "default")
 
 
