@@ -246,7 +246,10 @@ def vote_running(planner, p: int, check: Callable[[list, list, list, int], bool]
     order), the running paths and the number not started; if it says stop,
     the problem stops as after a finished path's vote.  Paths start in path
     order, so the started paths are a prefix, whichever of them finished
-    first.  Returns (paths to submit, paths to abort)."""
+    first.  Returns (paths to submit, paths to abort).  The library keeps
+    no hook for it: this reads the planner's per-problem state and stops
+    the problem through the planner's own ``_stop`` (tests/test_forecast.py
+    checks it against the planner)."""
     st = planner.problems.get(p)
     if st is None or p in planner.stopped or len(st.answers) == planner.n or not st.inflight \
             or planner.stop_check is None:
