@@ -25,7 +25,7 @@ GROUPS = {
         ("stop-rules", "replay adaptive stopping rules on recorded traces"),
         ("waves", "replay waves + stopping with drafting: projected time to all answers"),
         ("waves-sim", "simulate wave schedules and stop rules on a math run's samples"),
-        ("forecast", "fit and check the forecast of running paths' answers on recorded traces"),
+        ("forecast", "fit and check the forecast of running paths' answers on recorded traces (an experiment)"),
         ("confidence", "DeepConf-style trace confidence: filtered votes and ended paths, on traces with logprobs"),
     ),
     "evals.math": (  # a real engine on math sets

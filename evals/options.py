@@ -20,7 +20,7 @@ class UsageError(Exception):
 def parse_early_stop(values: list[str] | None) -> list:
     """``--early-stop`` values -> list of StopRule (None: off), each read by
     the library's one parser (:func:`~consensus_spec.sampling.options.parse_stop_rule`:
-    off, on, KIND, KIND:VALUE, KIND:FIELD=VALUE,..., +forecast, a margin)."""
+    off, on, KIND, KIND:VALUE, KIND:FIELD=VALUE,..., a margin)."""
     if values is None:
         return [None]
     if not values:  # bare flag

@@ -1,6 +1,8 @@
-"""The forecast of running paths (consensus_spec/sampling/forecast.py): the
-model's fit, the flip with running paths, the planner's vote on them, and
-the engine loop and the waves replay that take it."""
+"""The forecast of running paths, an experiment in evals
+(evals/adaptive/forecast_model.py): the model's fit, the flip with running
+paths, the vote on a planner's running paths, and the waves replay that
+takes it; and the library, which it left, refusing the option with a clear
+error."""
 
 from __future__ import annotations
 
@@ -9,13 +11,13 @@ import json
 import pytest
 
 from consensus_spec.sampling.answer_prior import AnswerPrior
-from consensus_spec.sampling.forecast import (PROGRESS_BANDS, STATES, ForecastModel, InFlightCheck,
-                                              evidence, flip_with_running)
-from consensus_spec.sampling.self_consistency import Schedule, StopRule, run_paths
+from consensus_spec.sampling.options import OptionError, parse_stop_rule
+from consensus_spec.sampling.self_consistency import Schedule, StopRule
 from consensus_spec.sampling.waves import PathPlanner
 from consensus_spec.voting.answers import answers_equal, extract_answer
+from evals.adaptive.forecast_model import (PROGRESS_BANDS, STATES, ForecastModel, InFlightCheck, evidence,
+                                           flip_with_running, vote_running)
 from tests.evals_cli import STEP_COSTS, TRACES, ok, read_json, run_evals
-from tests.test_self_consistency import FakeEngine, params_factory
 
 PRIOR = AnswerPrior.default()
 
@@ -61,8 +63,8 @@ def test_fit_reads_evidence_from_paths_and_round_trips():
         ForecastModel.fit([(True, [])])
     with pytest.raises(ValueError, match="rows"):
         ForecastModel(((0.0, 0.0, 0.0),))
-    shipped = ForecastModel.default()
-    assert shipped.bands == PROGRESS_BANDS and shipped.fitted_on
+    saved = ForecastModel.default()  # evals/adaptive/forecast.json
+    assert saved.bands == PROGRESS_BANDS and saved.fitted_on
 
 
 def test_evidence_states():
@@ -82,11 +84,11 @@ def test_planner_votes_on_the_started_prefix_and_aborts_running_paths():
     planner = PathPlanner(1, 8, Schedule(waves=(4,), capacity=8, fill_idle=False), lambda p, a, r: False)
     assert planner.admit() == [(0, k) for k in range(4)]
     planner.on_finish(0, 2, "5")  # path 2 finished first: the started prefix is 0..3
-    submit, abort = planner.on_progress(0, check)
+    submit, abort = vote_running(planner, 0, check)
     assert seen == [([2], ["5"], [0, 1, 3], 4)]
     assert submit == [] and abort == [(0, 0), (0, 1), (0, 3)]
     assert planner.done(0) and 0 in planner.stopped
-    assert planner.on_progress(0, check) == ([], [])  # stopped: nothing more
+    assert vote_running(planner, 0, check) == ([], [])  # stopped: nothing more
 
 
 def test_in_flight_check_stops_on_paths_that_show_the_leader():
@@ -103,61 +105,11 @@ def test_in_flight_check_stops_on_paths_that_show_the_leader():
         InFlightCheck(StopRule(kind="decided"))
 
 
-def script_stating(table):
-    """Path k of problem p: filler, its answer stated at 80% of the way, more
-    filler, then "The answer is X."."""
-    def script(prompt, params):
-        answer, length = table[params.p][params.k]
-        head = int(0.8 * length)
-        return ["step "] * head + [f"so it is {answer} "] + ["check "] * (length - head) \
-            + [f"The answer is {answer}."]
-    return script
-
-
-def test_run_paths_with_a_forecast_stops_sooner_with_the_same_answer():
-    table = [[("5", 60 + 2 * k) for k in range(16)]]
-    runs = {}
-    for forecast in (False, True):
-        engine = FakeEngine(script_stating(table))
-        run = run_paths(engine, ["q"], params_factory(delta=True), n=16, delta=True,
-                        stop_rule=StopRule(forecast=forecast), forecast_model=sure())
-        runs[forecast] = run[0]
-        assert (run.forecast is None) == (not forecast)
-        assert not engine.has_unfinished_requests()
-    plain, ahead = runs[False], runs[True]
-    assert plain.answer == ahead.answer == "5" and plain.stopped_early and ahead.stopped_early
-    assert ahead.num_tokens < plain.num_tokens
-    assert ahead.num_aborted >= 1 and ahead.ended_in_flight >= 1
-
-
-def test_forecast_needs_bayes_and_running_texts():
-    table = [[("5", 5)] * 4]
-    with pytest.raises(ValueError, match="True only for kind 'bayes'"):
-        StopRule(kind="decided", forecast=True)
-    assert StopRule(forecast=True).describe() == "bayes(error=0.002)+forecast"
-    with pytest.raises(ValueError, match="DELTA"):
-        run_paths(FakeEngine(script_stating(table)), ["q"], params_factory(), n=4,
-                  stop_rule=StopRule(forecast=True))
-    with pytest.raises(ValueError, match="check"):
-        run_paths(FakeEngine(script_stating(table)), ["q"], params_factory(delta=True), n=4, delta=True,
-                  stop_rule=StopRule(forecast=True), schedule=Schedule(waves=(2,), check="wave"))
-
-
-def test_early_stop_flag_takes_a_forecast():
-    from evals.options import UsageError, parse_early_stop
-
-    assert parse_early_stop(["on+forecast", "on"]) == [StopRule(forecast=True), StopRule()]
-    assert parse_early_stop(["bayes:0.01+forecast"]) == [StopRule(error=0.01, forecast=True)]
-    for bad in ("decided+forecast", "on+fast"):
-        with pytest.raises(UsageError, match="forecast"):
-            parse_early_stop([bad])
-
-
 def test_waves_replay_with_and_without_the_forecast(tmp_path):
     out = tmp_path / "w"
     text = ok(run_evals("waves", "--traces", TRACES, "--limit", "8", "--orders", "1", "--rows", "16",
                         "--costs", STEP_COSTS, "--host-time", "none", "--early-stop", "on", "decided",
-                        "--forecast", "both", "--forecast-model", "shipped", "--stride", "2",
+                        "--forecast", "both", "--forecast-model", "saved", "--stride", "2",
                         "--no-plot", "--out", out))
     rows = read_json(tmp_path / "w.json")["results"]
     with_fc = [r for r in rows if r["early_stop"].endswith("+forecast")]
@@ -167,87 +119,21 @@ def test_waves_replay_with_and_without_the_forecast(tmp_path):
     assert "bayes(error=0.002)+forecast" in text
 
 
-def test_async_loop_stops_sooner_with_a_forecast_as_the_step_loop_does():
-    import asyncio
+def test_the_library_refuses_the_forecast_it_no_longer_takes():
+    """A caller or request that still asks for the forecast is told it is
+    gone and where it went, never run without it."""
+    for value in ({"kind": "bayes", "forecast": True}, "on+forecast", "bayes:0.01+forecast"):
+        with pytest.raises(OptionError, match="evals/adaptive") as e:
+            parse_stop_rule(value)
+        assert e.value.field == "forecast" and "measured no gain" in str(e.value)
+    with pytest.raises(TypeError):
+        StopRule(forecast=True)
+    from consensus_spec.server.options import BadRequest, Limits, resolve_options, split_options
+    from evals.options import UsageError, parse_early_stop
 
-    from consensus_spec.sampling.async_loop import run_paths_async
-    from tests.test_async_loop import FakeAsyncEngine
-
-    table = [[("5", 60 + 2 * k) for k in range(16)]]
-    runs = {}
-    for forecast in (False, True):
-        engine = FakeAsyncEngine(script_stating(table))
-        runs[forecast] = asyncio.run(run_paths_async(
-            engine.generate, engine.abort, ["q"], params_factory(delta=True), 16, delta=True,
-            stop_rule=StopRule(forecast=forecast), forecast_model=sure()))
-        assert runs[forecast].num_tokens == engine.generated and not engine.running
-    assert runs[True][0].answer == runs[False][0].answer == "5"
-    assert runs[True].num_tokens < runs[False].num_tokens
-    assert runs[True][0].ended_in_flight >= 1
-    with pytest.raises(ValueError, match="DELTA"):
-        asyncio.run(run_paths_async(FakeAsyncEngine(script_stating(table)).generate, None, ["q"],
-                                    params_factory(), 16, stop_rule=StopRule(forecast=True)))
-
-
-def test_run_ahead_weighs_the_running_paths_forecasts():
-    from consensus_spec.sampling.run_ahead import RunAhead
-
-    ahead = RunAhead(StopRule())
-    plain = ahead.worth(["5", "5"], [5], 16)
-    assert plain == ahead.worth(["5", "5"], [5], 16, [])
-    sure, doubt = ahead.worth(["5", "5"], [5], 16, [0.99, 0.99]), ahead.worth(["5", "5"], [5], 16, [0.0, 0.0])
-    assert sure < plain < doubt == 1.0  # two runner-up votes to come: the wave is surely needed
-
-
-def test_planner_hands_run_ahead_the_books_forecasts():
-    seen = []
-
-    class Recorder:
-        costs = None
-
-        def worth(self, answers, looks, n, running=None):
-            seen.append(running)
-            return 0.0
-
-        def choose(self, first, spare, rows, following, own):
-            return []
-
-    planner = PathPlanner(1, 8, Schedule(waves=(2,), capacity=8), lambda p, a, r: False,
-                          run_ahead=Recorder())
-    planner.running_forecast = lambda p: [0.9, 0.8]
-    planner.admit()
-    assert seen and seen[-1] == [0.9, 0.8]
-
-
-def test_a_failing_forecast_leaves_the_run_to_the_rule(caplog):
-    from consensus_spec.sampling.self_consistency import Voting
-
-    table = [[("5", 60 + 2 * k) for k in range(16)]]
-    def extract(text):  # the vote's own extraction works; the partial-text one breaks
-        if "The answer is" not in text:
-            raise RuntimeError("extractor bug")
-        return text.rsplit(" ", 1)[-1].rstrip(".")
-
-    engine = FakeEngine(script_stating(table))
-    (r,) = run_paths(engine, ["q"], params_factory(delta=True), n=16, delta=True,
-                     stop_rule=StopRule(forecast=True), forecast_model=sure(),
-                     voting=Voting(extract=extract))
-    assert r.answer == "5" and r.stopped_early and not engine.has_unfinished_requests()
-    assert "the forecast failed" in caplog.text
-
-
-def test_forecasts_are_scored_on_the_paths_that_finish_after_them():
-    from consensus_spec.sampling.forecast import ForecastScore
-
-    score = ForecastScore()
-    score.add(0.9, 0.6, True)
-    score.add(0.2, 0.6, False)
-    d = score.as_dict()
-    assert d["paths"] == 2 and d["log_loss"] < d["log_loss_without"]
-    # paths that show a runner-up's answer keep the vote open: they finish, and are scored
-    table = [[("5" if k % 3 else "6", 60 + 2 * k) for k in range(16)]]
-    run = run_paths(FakeEngine(script_stating(table)), ["q"], params_factory(delta=True), n=16,
-                    delta=True, stop_rule=StopRule(forecast=True), forecast_model=sure(),
-                    schedule=Schedule(waves=(4,)))
-    assert run.forecast["paths"] >= 1
-    assert run.forecast["log_loss"] < run.forecast["log_loss_without"]
+    with pytest.raises(UsageError, match="no \\+forecast suffix"):
+        parse_early_stop(["on+forecast"])
+    _, opts = split_options({"early_stop": {"kind": "bayes", "forecast": True}}, {})
+    with pytest.raises(BadRequest) as e:  # the server's 400
+        resolve_options(opts, Limits())
+    assert e.value.param == "early_stop.forecast" and "evals/adaptive" in str(e.value)

@@ -23,12 +23,10 @@ from consensus_spec.server.options import (SERVER_SET, BadRequest, Limits, parse
 from evals.options import UsageError, parse_early_stop
 
 # a valid value other than the default, for each field an outside form may set
-OTHER = {StopRule: {"kind": "sequential", "error": 0.1, "min_samples": 2, "window": 5, "margin": 4,
-                    "forecast": True},
+OTHER = {StopRule: {"kind": "sequential", "error": 0.1, "min_samples": 2, "window": 5, "margin": 4},
          Schedule: {"waves": (4, "rest"), "capacity": 8, "check": "path", "fill_idle": False},
          Voting: {"weighted": True, "weight_method": "softmax", "confidence_keep": 0.5,
                   "confidence_window": 8, "timeout_s": 2.0, "extract": str.strip}}
-KIND_OF = {"forecast": "bayes"}  # a field only one kind takes
 
 
 def _server(**fields):
@@ -45,7 +43,6 @@ def test_every_outside_form_reads_the_same_rule():
     assert parse_stop_rule("off") is parse_stop_rule(False) is parse_stop_rule(None) is None
     assert parse_stop_rule("window:5") == StopRule(kind="window", window=5)
     assert parse_stop_rule("3") == parse_stop_rule(3) == StopRule(kind="margin", margin=3, min_samples=1)
-    assert parse_stop_rule("on+forecast") == StopRule(forecast=True)
     assert parse_schedule("4,rest+path-check") == parse_schedule({"waves": [4, "rest"], "check": "path"})
     assert parse_voting(None) == parse_voting({}) == Voting()
     assert parse_voting({"weighted": True}, extract=str.strip) == Voting(weighted=True, extract=str.strip)
@@ -53,7 +50,7 @@ def test_every_outside_form_reads_the_same_rule():
 
 @pytest.mark.parametrize("value,field", [
     ({"kind": "sequential", "error": 3}, "error"), ({"alpha": 1}, "alpha"), ({"kind": "x"}, "kind"),
-    ({"kind": "decided", "forecast": True}, "forecast"), ("sometimes", ""), ("decided:3", ""),
+    ({"kind": "bayes", "forecast": True}, "forecast"), ("sometimes", ""), ("decided:3", ""),
     ("-1", ""), ("on+fast", "fast"), ([1], ""),
 ])
 def test_a_bad_stop_rule_names_its_field(value, field):
@@ -69,7 +66,7 @@ def test_each_parser_takes_every_dataclass_field():
         assert option_fields(cls) == tuple(f.name for f in dataclasses.fields(cls))
         assert set(OTHER[cls]) == set(option_fields(cls))  # OTHER covers a new field too
     for name, value in OTHER[StopRule].items():
-        kind = KIND_OF.get(name, "sequential")
+        kind = "sequential"
         want = StopRule(kind=kind, **{name: value} if name != "kind" else {})
         assert parse_stop_rule({"kind": kind, name: value}) == want
         early = _server(early_stop={"kind": kind, name: value}).stop_rule
@@ -125,10 +122,8 @@ def test_both_loops_take_one_options_object_and_make_one_check():
     loops = {"run_paths": lambda **kw: run_paths(engine, ["q"], lambda p, k: None, 4, **kw),
              "run_paths_async": lambda **kw: asyncio.run(
                  run_paths_async(nothing, nothing, ["q"], lambda p, k: None, 4, **kw))}
-    bad = [(dict(stop_rule=StopRule(forecast=True)), "DELTA outputs"),
-           (dict(options=LoopOptions(stop_rule="on+forecast", delta=True), schedule="2+wave-check"),
-            "not 'wave'"),
-           (dict(stop_rule="decided", voting={"weighted": True}), "weighted voting needs early_stop off"),
+    bad = [(dict(options=LoopOptions(stop_rule="decided", delta=True), voting={"weighted": True}),
+            "weighted voting needs early_stop off"),
            (dict(stop_rule="sometimes"), "a stop rule is")]
     for name, loop in loops.items():
         for kwargs, match in bad:

@@ -23,14 +23,13 @@ import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 
 from .options import LoopOptions
-from .path_book import FORECAST_STRIDE, PathBook
+from .path_book import PathBook
 from .results import SelfConsistencyRun
 
 __all__ = ["run_paths_async", "TASK_PREFIX"]
 
 TASK_PREFIX = "consensus_spec "  # the names of the tasks a run starts (a server counts them)
 ABORT_DRAIN_S = 1.0  # how long aborted paths may take to hand in their final output
-PROGRESS = ("progress",)  # the event that asks for a vote on running paths
 
 Generate = Callable[[str, Any, Any], AsyncIterator[Any]]  # (request id, prompt, params)
 Abort = Callable[[Iterable[str]], Awaitable[None]]
@@ -72,15 +71,12 @@ async def run_paths_async(
     ``run_ahead`` (a :class:`~consensus_spec.sampling.run_ahead.RunAhead`)
     decides which later waves idle rows start early; ``keep_outputs``
     keeps each path's token ids and logprobs (a server keeps one ``prior``
-    for all its runs).  With ``stop_rule.forecast`` (DELTA outputs), each
-    time a running path has written another
-    :data:`~consensus_spec.sampling.path_book.FORECAST_STRIDE` tokens the
-    running paths' forecasts are voted on too.
+    for all its runs).
     """
     opts = LoopOptions.of(options, option_fields, "run_paths_async")
     delta = opts.delta
     book = PathBook(len(prompts), n, opts.schedule, opts.stop_rule, opts.voting, opts.max_tokens,
-                    on_vote, idle_rows, run_ahead, keep_outputs, opts.prior, opts.forecast_model)
+                    on_vote, idle_rows, run_ahead, keep_outputs, opts.prior)
     if on_start is not None:
         on_start(book)
     run_id = run_id or uuid.uuid4().hex[:12]
@@ -88,23 +84,13 @@ async def run_paths_async(
     events: asyncio.Queue = asyncio.Queue()
     tasks: dict[tuple[int, int], asyncio.Task] = {}
 
-    progress_due = False  # a forecast vote is queued
-
     async def consume(key: tuple[int, int]) -> None:
-        nonlocal progress_due
         p, k = key
-        written = 0
         try:
             async for out in generate(rid(p, k), prompts[p], make_params(p, k)):
                 book.update(key, out.outputs[0], delta)
                 if out.finished:
                     break
-                if book.in_flight is not None and key in book.accs:
-                    tokens = book.accs[key].num_tokens
-                    if tokens // FORECAST_STRIDE > written // FORECAST_STRIDE and not progress_due:
-                        progress_due = True
-                        events.put_nowait((PROGRESS, None))
-                    written = tokens
             events.put_nowait((key, None))
         except asyncio.CancelledError:
             raise
@@ -139,17 +125,6 @@ async def run_paths_async(
             key, error = await events.get()
             if error is not None:
                 raise error
-            if key is PROGRESS:
-                progress_due = False
-                to_submit, to_abort = book.progress()
-                await stop(to_abort)
-                submit(to_submit)
-                if on_problem_done is not None:
-                    for p in sorted({p for p, _ in to_abort}):
-                        on_problem_done(p, book)
-                if not tasks:
-                    submit(book.admit())
-                continue
             if tasks.pop(key, None) is None:
                 continue  # aborted after it had finished
             if on_submit is not None:

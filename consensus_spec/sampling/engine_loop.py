@@ -18,7 +18,7 @@ import uuid
 from typing import Any, Callable, Sequence
 
 from .options import LoopOptions
-from .path_book import FORECAST_STRIDE, PathBook
+from .path_book import PathBook
 from .results import SelfConsistencyRun, SpecDecodeStats
 from .routing import request_pinning
 
@@ -70,11 +70,9 @@ def run_paths(
     ``vllm.LLM().llm_engine`` has.  ``make_params(problem, path)`` builds the
     sampling params.  ``options``: the run's
     :class:`~consensus_spec.sampling.options.LoopOptions` (schedule, stop
-    rule, voting, max_tokens, delta, prior, forecast_model), or its fields
-    as keywords (``stop_rule=...``), over it.  ``on_problem_done(problem)``
-    is called once per problem as soon as its vote is final.  With
-    ``stop_rule.forecast``, every :data:`FORECAST_STRIDE` steps the running
-    paths' forecasts are voted on too.  Returns the run without
+    rule, voting, max_tokens, delta, prior), or its fields as keywords
+    (``stop_rule=...``), over it.  ``on_problem_done(problem)`` is called
+    once per problem as soon as its vote is final.  Returns the run without
     spec-decode stats (the caller reads those from vLLM).
     """
     opts = LoopOptions.of(options, option_fields, "run_paths")
@@ -82,7 +80,7 @@ def run_paths(
     if engine.has_unfinished_requests():
         raise RuntimeError("self_consistency needs an idle engine")
     book = PathBook(len(prompts), n, opts.schedule, opts.stop_rule, opts.voting, opts.max_tokens,
-                    prior=opts.prior, forecast_model=opts.forecast_model)
+                    prior=opts.prior)
     planner = book.planner
     run_id = uuid.uuid4().hex[:8]
     rid = lambda p, k: f"sc{run_id}-{p}-{k}"  # noqa: E731
@@ -117,14 +115,6 @@ def run_paths(
                 submit(to_submit)
                 if on_problem_done is not None and book.done(key[0]):
                     on_problem_done(key[0])
-            if book.in_flight is not None and steps % FORECAST_STRIDE == 0:
-                to_submit, to_abort = book.progress()
-                if to_abort:
-                    engine.abort_request([rid(p, k) for p, k in to_abort])
-                submit(to_submit)
-                if on_problem_done is not None:
-                    for p in sorted({p for p, _ in to_abort}):
-                        on_problem_done(p)
             if not engine.has_unfinished_requests():
                 submit(book.admit())
     except BaseException:

@@ -93,6 +93,9 @@ def _from_object(cls: type, data: Mapping, fixed: tuple[str, ...] = (), given: M
     it, and so is a value that ``cls`` refuses (its errors begin ``Cls.field``)."""
     known = [name for name in option_fields(cls) if name not in fixed]
     for key in data:
+        if key in RETIRED.get(cls.__name__, {}):
+            raise OptionError(f"{cls.__name__} has no field {key!r} any more: "
+                              f"{RETIRED[cls.__name__][key]}; it takes " + ", ".join(known), str(key))
         if key not in known:
             raise OptionError(f"{cls.__name__} takes no field {key!r} here; it takes "
                               + ", ".join(known), str(key))
@@ -103,8 +106,14 @@ def _from_object(cls: type, data: Mapping, fixed: tuple[str, ...] = (), given: M
         raise OptionError(str(e), named.group(1) if named else "") from None
 
 
-STOP_RULE_FORMS = ("off, on, a kind, KIND:VALUE, KIND:FIELD=VALUE[,FIELD=VALUE...] with +FLAG "
-                   "for a bool field (on+forecast), a margin > 0, or an object of StopRule fields")
+STOP_RULE_FORMS = ("off, on, a kind, KIND:VALUE, KIND:FIELD=VALUE[,FIELD=VALUE...], a margin > 0, "
+                   "or an object of StopRule fields")
+# fields an option took once: a request or command line that still sends one is told why it
+# is gone, not sent on with it ignored
+RETIRED = {"StopRule": {"forecast": "the vote on running paths' forecasts measured no gain "
+                                    "(docs/stopping.md) and left the library; it is a replay "
+                                    "experiment now (python -m evals waves --forecast both, "
+                                    "evals/adaptive/forecast_model.py)"}}
 OFF, ON = ("off", "none", "no", "false"), ("on", "true", "yes", "default")
 
 
@@ -117,10 +126,15 @@ def text_value(text: str) -> Any:
 
 
 def _stop_rule_text(text: str) -> StopRule | None:
-    """``KIND[:VALUE | :FIELD=VALUE,...][+FLAG...]``, off/on, or a margin."""
+    """``KIND[:VALUE | :FIELD=VALUE,...]``, off/on, or a margin."""
     head, *flags = text.strip().lower().split("+")
+    if flags:  # StopRule has no bool field left to set so (+forecast was one)
+        flag = flags[0].strip()
+        why = RETIRED["StopRule"].get(flag)
+        raise OptionError(f"a stop rule takes no +{flag} suffix" + (f": {why}" if why else "")
+                          + f" (got {text!r}); it is {STOP_RULE_FORMS}", flag)
     kind, _, params = head.partition(":")
-    if kind in OFF and not params and not flags:
+    if kind in OFF and not params:
         return None
     kind = StopRule.kind if kind in ON else kind
     if kind not in KINDS:
@@ -128,7 +142,7 @@ def _stop_rule_text(text: str) -> StopRule | None:
             margin = float(head)
         except ValueError:
             margin = math.nan
-        if flags or not (margin > 0 and math.isfinite(margin)):
+        if not (margin > 0 and math.isfinite(margin)):
             raise OptionError(f"a stop rule is {STOP_RULE_FORMS} (kinds: {', '.join(KINDS)}), "
                               f"got {text!r}")
         return parse_stop_rule(margin)
@@ -141,12 +155,6 @@ def _stop_rule_text(text: str) -> StopRule | None:
                                   f"{kind}:FIELD=VALUE), got {text!r}")
             name, value = MAIN_FIELD[kind], part
         fields[name.strip()] = text_value(value.strip())
-    flag_names = [f.name for f in dataclasses.fields(StopRule) if isinstance(f.default, bool)]
-    for flag in flags:
-        if flag not in flag_names:
-            raise OptionError(f"unknown suffix +{flag}; the flags are "
-                              + ", ".join("+" + f for f in flag_names), flag)
-        fields[flag] = True
     try:
         return _from_object(StopRule, fields)
     except OptionError as e:
@@ -164,9 +172,9 @@ def parse_stop_rule(value: Any, fixed: tuple[str, ...] = ()) -> StopRule | None:
     kind (``"decided"``: its default parameters), ``KIND:VALUE`` (the kind's
     own parameter, :data:`~consensus_spec.sampling.stopping.MAIN_FIELD`:
     ``bayes:0.01``, ``window:5``), ``KIND:FIELD=VALUE,...``
-    (``bayes:error=0.01,min_samples=2``), ``+FLAG`` to set a bool field
-    (``on+forecast``), or a margin (``"3"``).  A bad value is an
-    :class:`OptionError`, naming the field where the value is an object.
+    (``bayes:error=0.01,min_samples=2``), or a margin (``"3"``).  A bad
+    value is an :class:`OptionError`, naming the field where the value is an
+    object (a field the rule no longer takes, :data:`RETIRED`, says why).
     """
     if value is None or value is False:
         return None
@@ -250,9 +258,7 @@ class LoopOptions:
     ask for DELTA outputs (needed to count the tokens of aborted paths; see
     ``Schedule.may_abort``); ``prior``: the stop rule's
     :class:`~consensus_spec.sampling.answer_prior.AnswerPrior` (see
-    :class:`~consensus_spec.sampling.path_book.PathBook`);
-    ``forecast_model``: with ``stop_rule.forecast`` (DELTA outputs), the
-    model of the running paths' answers (default: the shipped one).
+    :class:`~consensus_spec.sampling.path_book.PathBook`).
     """
 
     schedule: Any = None
@@ -261,7 +267,6 @@ class LoopOptions:
     max_tokens: int = 1024
     delta: bool = False
     prior: Any = None
-    forecast_model: Any = None
 
     @classmethod
     def of(cls, options: "LoopOptions | None", fields: dict, caller: str) -> "LoopOptions":
@@ -274,15 +279,9 @@ class LoopOptions:
         return dataclasses.replace(options or cls(), **fields).checked()
 
     def checked(self) -> "LoopOptions":
-        """The options parsed, with their defaults, and the checks that
-        combine them: a weighted vote takes no stop rule, and the forecast
-        votes on running paths (a per-path check, DELTA outputs)."""
+        """The options parsed, with their defaults, and the check that
+        combines them: a weighted vote takes no stop rule."""
         stop_rule = parse_stop_rule(self.stop_rule)
         schedule, voting = resolve_schedule(self.schedule, stop_rule), parse_voting(self.voting)
         check_voting(stop_rule, voting)
-        if stop_rule is not None and stop_rule.forecast and schedule.check == "wave":
-            raise ValueError("StopRule(forecast=True) votes on running paths: it needs "
-                             "Schedule(check='index' or 'path'), not 'wave'")
-        if stop_rule is not None and stop_rule.forecast and not self.delta:
-            raise ValueError("StopRule(forecast=True) reads running paths' text: it needs DELTA outputs")
         return dataclasses.replace(self, schedule=schedule, stop_rule=stop_rule, voting=voting)

@@ -2,35 +2,28 @@
 :class:`PathBook` both engine loops share.
 
 It holds the :class:`~consensus_spec.sampling.waves.PathPlanner`, each
-running path's output, the finished samples, the cancelled paths' tokens,
-the stop rule's prior and, with ``StopRule(forecast=True)``, the vote on
-running paths (:mod:`~consensus_spec.sampling.forecast`) and the score of
-its forecasts.  The loops (:func:`~consensus_spec.sampling.engine_loop.run_paths`,
+running path's output, the finished samples, the cancelled paths' tokens
+and the stop rule's prior.  The loops (:func:`~consensus_spec.sampling.engine_loop.run_paths`,
 :func:`~consensus_spec.sampling.async_loop.run_paths_async`) only move
 outputs in and requests out.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any, Callable
 
-from ..voting.answers import answers_equal
 from ..voting.confidence import confidence_weights
 from ..voting.vote import VoteResult, logprob_weights, majority_vote
 from .answer_prior import AnswerPrior
-from .forecast import ForecastModel, ForecastScore, InFlightCheck
 from .options import Voting
 from .results import ProblemResult, Sample, SelfConsistencyRun
 from .stopping import PEERS, StopRule
 from .stopping import should_stop as rule_says_stop
 from .waves import PathPlanner, Schedule
 
-__all__ = ["FORECAST_STRIDE", "PathBook"]
+__all__ = ["PathBook"]
 
-_log = logging.getLogger(__name__)
-FORECAST_STRIDE = 8  # engine steps (tokens a path, async) between votes on running paths
 DECIDED = StopRule(kind="decided")
 
 
@@ -94,27 +87,17 @@ class PathBook:
     logprobs in its :class:`Sample`.  ``prior``: the run's
     :class:`AnswerPrior` for a ``bayes`` rule (default: a new learning one);
     every problem's final vote is shown to it as soon as it is known.
-    With ``stop_rule.forecast``, :meth:`progress` also votes on the
-    running paths' partial texts (``forecast_model``; default: the shipped one).
     """
 
     def __init__(self, num: int, n: int, schedule: Schedule, stop_rule: StopRule | None,
                  voting: Voting, max_tokens: int,
                  on_vote: Callable[[int, list, int, bool], None] | None = None,
                  idle_rows: Callable[[], int] | None = None, run_ahead: Any = None,
-                 keep_outputs: bool = False, prior: AnswerPrior | None = None,
-                 forecast_model: ForecastModel | None = None):
+                 keep_outputs: bool = False, prior: AnswerPrior | None = None):
         self.n, self.schedule, self.stop_rule, self.voting = n, schedule, stop_rule, voting
         if prior is None and stop_rule is not None and stop_rule.kind == "bayes":
             prior = AnswerPrior.learning()
         self.prior = prior
-        self.in_flight = None
-        self._forecasts: dict[int, tuple | None] = {}  # problem -> (running paths, their forecasts)
-        self._predicted: dict[tuple[int, int], tuple] = {}  # running path -> (forecast, base, leader)
-        self.forecast_score = ForecastScore()
-        if stop_rule is not None and stop_rule.forecast:
-            self.in_flight = InFlightCheck(stop_rule, prior, forecast_model, voting.extract,
-                                           voting.timeout_s)
         if run_ahead is not None and getattr(run_ahead, "prior", None) is None:
             run_ahead.prior = prior
         self._votes: dict[int, tuple[VoteResult, list[float] | None]] = {}  # final votes
@@ -148,8 +131,6 @@ class PathBook:
                     on_vote(p, answers, remaining, True)
                 return True
             self.planner.decided_check = decided_check
-        if self.in_flight is not None:
-            self.planner.running_forecast = self.running_forecast
 
     def admit(self) -> list[tuple[int, int]]:
         """Paths to submit now (see :meth:`PathPlanner.admit`)."""
@@ -177,62 +158,14 @@ class PathBook:
         self.samples[p][k] = Sample(k, acc.text, self.voting.extract(acc.text), acc.num_tokens,
                                     acc.cumulative_logprob, acc.finish_reason, acc.stop_reason,
                                     acc.token_ids, acc.logprobs or None)
-        predicted = self._predicted.pop(key, None)
-        if predicted is not None:
-            answer = self.samples[p][k].answer
-            self.forecast_score.add(predicted[0], predicted[1], answer is not None and
-                                    answers_equal(answer, predicted[2], self.voting.timeout_s))
         to_submit, to_abort = self.planner.on_finish(p, k, self.samples[p][k].answer)
         self._abort(to_abort)
         self._final_vote(p)
         return self._started(to_submit), to_abort
 
-    def progress(self) -> tuple[list, list]:
-        """With a forecast: every problem with running paths takes the vote
-        that counts them (:meth:`PathPlanner.on_progress`); returns (to
-        submit, to abort) over all of them."""
-        if self.in_flight is None:
-            return [], []
-        submit, abort = [], []
-        for p in sorted({p for p, _ in self.accs}):
-            def check(done, answers, running, unstarted, p=p):
-                stop = self.in_flight(answers, [self.samples[p][k].num_tokens for k in done],
-                                      [(self.accs[p, k].num_tokens, lambda k=k: self.accs[p, k].text)
-                                       for k in running], unstarted)
-                chances = self.in_flight.last_chances
-                self._forecasts[p] = (tuple(running), chances) if chances else None
-                for k, q in zip(running, chances or ()):  # scored once the path finishes
-                    self._predicted[p, k] = (q, self.in_flight.last_base, self.in_flight.last_leader)
-                return stop
-            try:
-                got = self.planner.on_progress(p, check)
-            except Exception:  # noqa: BLE001 - a forecast must never fail the run
-                _log.warning("the forecast failed: this run goes on with the stop rule alone",
-                             exc_info=True)
-                self.in_flight, self._forecasts = None, {}
-                self.planner.running_forecast = None
-                return submit, abort
-            if got[1]:
-                self.last_look[p] = (len(self.samples[p]), self.planner.num_unsent(p))
-            self._abort(got[1])
-            self._final_vote(p)
-            submit += self._started(got[0])
-            abort += got[1]
-        return submit, abort
-
-    def running_forecast(self, p: int) -> list[float] | None:
-        """The forecasts of problem ``p``'s running paths from the last vote
-        that read them, while the same paths run (run-ahead weighs them)."""
-        got = self._forecasts.get(p)
-        st = self.planner.problems.get(p)
-        if got is None or st is None or got[0] != tuple(sorted(st.inflight)):
-            return None
-        return got[1]
-
     def _abort(self, keys: list[tuple[int, int]]) -> None:
         for a in keys:
             self.aborted.setdefault(a[0], {})[a[1]] = self.accs.pop(a)
-            self._predicted.pop(a, None)
 
     def _final_vote(self, p: int) -> None:
         """Once problem ``p``'s vote is final, take it and show it to the prior."""
@@ -298,6 +231,4 @@ class PathBook:
                       max_tokens=self.max_tokens)
         return SelfConsistencyRun(results, None, wall, config, engine_steps=steps,
                                   mean_inflight=mean_inflight,
-                                  batch_fill=mean_inflight / cap if cap else None,
-                                  forecast=self.forecast_score.as_dict() if self.stop_rule is not None
-                                  and self.stop_rule.forecast else None)
+                                  batch_fill=mean_inflight / cap if cap else None)

@@ -97,7 +97,6 @@ class SelfConsistencyRun:
     engine_steps: int = 0
     mean_inflight: float = 0.0  # paths in flight per engine step, averaged over steps
     batch_fill: float | None = None  # mean_inflight / capacity (None: no capacity)
-    forecast: dict | None = None  # StopRule(forecast=True): ForecastScore.as_dict(), how it did
 
     def __len__(self) -> int:
         return len(self.problems)

@@ -53,7 +53,6 @@ from typing import Any, Callable, Protocol, Sequence
 
 from ..voting.answers import normalize_answer
 from .answer_prior import AnswerPrior
-from .forecast import leader_votes
 from .stopping import StopRule, should_stop_ids
 
 __all__ = ["RowCosts", "RunAhead", "RunAheadStats", "need_probability", "tally_keys"]
@@ -210,27 +209,12 @@ class RunAhead:
             raise ValueError(f"RunAhead.objective must be 'latency' or 'throughput', "
                              f"got {self.objective!r}")
 
-    def worth(self, answers: Sequence[Any], looks: Sequence[int], n: int,
-              running: Sequence[float] | None = None) -> float:
-        """P(the rule still needs the wave after ``looks``).  ``running``: the
-        forecasts of the paths still running (each the chance it ends on the
-        leader; :mod:`~consensus_spec.sampling.forecast`): the need is mixed
-        over how they end, one that does not end on the leader counted for
-        the runner-up, as the in-flight vote counts it."""
+    def worth(self, answers: Sequence[Any], looks: Sequence[int], n: int) -> float:
+        """P(the rule still needs the wave after ``looks``)."""
         if self.rule is None or not looks:
             return 1.0
         counts, none = tally_keys(answers)
-        if not running or not counts:
-            return need_probability(counts, none, tuple(looks), n, self.rule, self.prior)
-        m, lead, rest = len(running), counts[0], counts[1:]
-        need = 0.0
-        for a, mass in enumerate(leader_votes(running)):
-            if mass > 0.0:
-                second = (rest[0] if rest else 0) + m - a
-                ranked = tuple(sorted((lead + a, second) + tuple(rest[1:]), reverse=True))
-                need += float(mass) * need_probability(ranked, none, tuple(looks), n, self.rule,
-                                                       self.prior)
-        return min(1.0, need)
+        return need_probability(counts, none, tuple(looks), n, self.rule, self.prior)
 
     def kappa(self, rows: int, extra: int) -> float:
         if self.costs is None or extra <= 0 or rows <= 0:

@@ -105,12 +105,6 @@ def self_consistency(
     :class:`StopRule` (:func:`~consensus_spec.sampling.options.parse_stop_rule`).  ``prior``: the :class:`AnswerPrior` the
     rule learns into (default: a new one per call; pass one to carry what it
     learned across calls that feed problems a few at a time).
-    ``StopRule(forecast=True)`` also votes on the running paths, from their
-    text so far (:mod:`~consensus_spec.sampling.forecast`): a stop can then
-    come before the paths in flight finish.  Off by default: in replays of
-    recorded traces it saves 2% of the tokens on GSM8K-style reasoning and
-    about nothing on short or program answers or the embedded model
-    (docs/stopping.md).
     ``schedule``: :class:`Schedule` (waves, capacity, check); default: waves
     of 2 with a vote after every path in path order with a stop rule, all at
     once without; capacity defaults to the engine's ``max_num_seqs``.

@@ -127,12 +127,6 @@ class StopRule:
     ``error``, ``min_samples`` and ``window`` left None take the kind's
     default (:data:`DEFAULT_ERROR`, 3 votes but for ``bayes``, 4 paths but
     for ``esc``); kinds without them keep None.
-
-    ``forecast`` (``bayes`` only; off by default): the engine loops also
-    vote on the paths still running, from their text so far
-    (:mod:`~consensus_spec.sampling.forecast`), so a stop can come before
-    the paths in flight finish.  :func:`should_stop` sees finished answers
-    only and ignores it.
     """
 
     kind: str = "bayes"
@@ -140,7 +134,6 @@ class StopRule:
     min_samples: int | None = None  # votes needed before a statistical rule may stop
     window: int | None = None  # "window": identical answers in a row; "esc": window size
     margin: int = 3  # "margin": lead in votes
-    forecast: bool = False  # "bayes": also vote on running paths' forecasts (sampling/forecast.py)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -155,9 +148,6 @@ class StopRule:
             e = self.error
             if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0.0 < e < 1.0:
                 raise ValueError(f"StopRule.error must be a probability in (0, 1), got {e!r}")
-        if not isinstance(self.forecast, bool) or (self.forecast and self.kind != "bayes"):
-            raise ValueError(f"StopRule.forecast is a bool, and True only for kind 'bayes', "
-                             f"got {self.forecast!r} with {self.kind!r}")
         for name, low in (("min_samples", 1), ("window", 2), ("margin", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -172,7 +162,7 @@ class StopRule:
         if self.kind == "margin":
             return f"margin(margin={self.margin}, min={self.min_samples})"
         if self.kind in ("bayes", "adaptive"):
-            return f"{self.kind}(error={self.error:g})" + ("+forecast" if self.forecast else "")
+            return f"{self.kind}(error={self.error:g})"
         return f"{self.kind}(error={self.error:g}, min={self.min_samples})"
 
     def with_overrides(self, **overrides) -> "StopRule":

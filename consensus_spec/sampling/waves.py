@@ -143,7 +143,6 @@ class Schedule:
 ALL_AT_ONCE = Schedule(waves=(REST,))
 
 StopCheck = Callable[[int, list, int], bool]
-RunningCheck = Callable[[list, list, list, int], bool]
 
 
 class _Problem:
@@ -199,7 +198,6 @@ class PathPlanner:
         self.stop_check = stop_check
         self.idle_rows = idle_rows  # None: rows this run's capacity leaves free are idle
         self.run_ahead = run_ahead
-        self.running_forecast: Callable[[int], list | None] | None = None  # p -> running paths' forecasts
         # (p, answers in finishing order, unfinished) -> the full-n vote cannot change (exact:
         # any order will do); asked once paths beyond the voted prefix have finished
         self.decided_check: StopCheck | None = None
@@ -269,23 +267,6 @@ class PathPlanner:
             self._open_next(p)  # every opened wave finished: the next one is due
         return self.admit(), []
 
-    def on_progress(self, p: int, check: RunningCheck) -> tuple[list, list]:
-        """A vote that counts the paths still running (their forecasts):
-        ``check(paths, answers, running, remaining)`` is asked with the
-        started paths that finished and their answers (in path order), the
-        running paths and the number not started; if it says stop, the
-        problem stops as after :meth:`on_finish`.  Paths start in path
-        order, so the started paths are a prefix, whichever of them finished
-        first.  Returns (paths to submit, paths to abort)."""
-        st = self.problems.get(p)
-        if st is None or p in self.stopped or len(st.answers) == self.n or not st.inflight \
-                or self.stop_check is None:
-            return [], []
-        paths = [k for k in range(st.next_path) if k in st.by_path]
-        if check(paths, [st.by_path[k] for k in paths], sorted(st.inflight), self.n - st.next_path):
-            return self._stop(p, st)
-        return [], []
-
     def _stop(self, p: int, st: _Problem) -> tuple[list, list]:
         abort = [(p, k) for k in sorted(st.inflight)]
         self.num_inflight -= len(abort)
@@ -329,8 +310,7 @@ class PathPlanner:
             j = st.wave + 1 + ahead.get(p, 0)
             if j >= len(self.sizes):
                 return None
-            running = self.running_forecast(p) if self.running_forecast is not None else None
-            return self.run_ahead.worth(st.answers, self._looks(st, j), self.n, running), self.sizes[j]
+            return self.run_ahead.worth(st.answers, self._looks(st, j), self.n), self.sizes[j]
 
         def following(p: int):
             ahead[p] = ahead.get(p, 0) + 1

@@ -61,7 +61,7 @@ from collections import Counter
 from . import PLUGIN_NAME, ROUTE
 from .options import BadRequest, Limits, parse_defaults
 from .protocol import SelfConsistencyRequest, is_many, parse_request, problem_json
-from .runs import error, run_request, serve, sse, streams_paths, until_disconnect
+from .runs import error, run_request, serve, sse, until_disconnect
 from .state import ServerState
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handler and format
@@ -240,8 +240,7 @@ async def _handle(raw_request, st: ServerState, run_id: str, body):
         st.arrived(run_id, len(req.prompt if req.prompt is not None else req.messages)
                    if is_many(req) else 1, req.n)
         prompts = await asyncio.to_thread(_render, st, req)
-        make_params = _params_factory(req, prompts, st.max_model_len, opts.voting.weighted,
-                                      streams_paths(opts.stop_rule))
+        make_params = _params_factory(req, prompts, st.max_model_len, opts.voting.weighted)
         make_params(0, 0)  # vLLM's own checks, here rather than in the engine
     except BadRequest as e:
         return error(e.status, str(e), e.param)
@@ -294,7 +293,7 @@ async def _handle(raw_request, st: ServerState, run_id: str, body):
 
 
 def _params_factory(req: SelfConsistencyRequest, prompts: list[list[int]], max_model_len: int,
-                    logprobs: bool, delta: bool = False):
+                    logprobs: bool):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -306,8 +305,7 @@ def _params_factory(req: SelfConsistencyRequest, prompts: list[list[int]], max_m
             n=1, temperature=req.temperature, top_p=req.top_p, max_tokens=limits[p],
             seed=None if req.seed is None else req.seed + p * req.n + k,
             stop=stop, logprobs=0 if logprobs else None,
-            # no output per step (abort sends the tokens), unless a forecast reads the running text
-            output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY)
+            output_kind=RequestOutputKind.FINAL_ONLY)  # no output per step (abort sends the tokens)
 
     return make
 

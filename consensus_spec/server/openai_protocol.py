@@ -161,15 +161,14 @@ def num_prompts(req, kind: str) -> int:
     return 1
 
 
-def path_params(base, req, p: int, k: int, delta: bool = False):
+def path_params(base, req, p: int, k: int):
     """Path k of prompt p: the request's own sampling parameters, one path,
-    its own seed, the final output only (no output object per step) unless
-    ``delta`` (a forecast reads the running text)."""
+    its own seed, the final output only (no output object per step)."""
     from vllm.sampling_params import RequestOutputKind
 
     params = base.clone()
     params.n = 1
-    params.output_kind = RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY
+    params.output_kind = RequestOutputKind.FINAL_ONLY
     if req.seed is not None:
         params.seed = req.seed + p * (req.n or 1) + k
     return params

@@ -16,7 +16,7 @@ import time
 from .openai_protocol import (CHAT, COMPLETION, choices_json, num_prompts, parse_openai,
                               path_params, response_json, stream_chunks, usage_chunk)
 from .options import BadRequest
-from .runs import error, run_request, serve, sse, streams_paths, until_disconnect
+from .runs import error, run_request, serve, sse, until_disconnect
 
 
 def attach(app, base: str) -> None:
@@ -89,7 +89,7 @@ async def _handle(raw_request, kind: str, st, run_id: str, body):
         weighted = opts.voting.weighted
 
         def make_params(p: int, k: int):
-            params = path_params(bases[p], req, p, k, streams_paths(opts.stop_rule))
+            params = path_params(bases[p], req, p, k)
             if weighted and params.logprobs is None:
                 params.logprobs = 0  # the vote's weights need each path's logprob
             return params

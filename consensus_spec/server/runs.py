@@ -79,12 +79,6 @@ def tasks_held() -> int:
     return sum(t.get_name().startswith(TASK_PREFIX) for t in tasks)
 
 
-def streams_paths(stop_rule) -> bool:
-    """Paths stream DELTA outputs only for a rule that reads running paths'
-    text (``forecast``); otherwise the final output alone (less work a step)."""
-    return stop_rule is not None and stop_rule.forecast
-
-
 async def run_request(st, raw_request, run_id: str, prompts: list, make_params: Callable,
                       n: int, opts: RunOptions, max_tokens: int, *,
                       on_vote: Callable | None = None, on_problem_done: Callable | None = None,
@@ -139,7 +133,6 @@ async def run_request(st, raw_request, run_id: str, prompts: list, make_params: 
         result = await run_paths_async(
             generate, st.engine.abort, prompts, make_params, n, schedule=schedule,
             stop_rule=opts.stop_rule, voting=opts.voting, max_tokens=max_tokens,
-            delta=streams_paths(opts.stop_rule),
             run_id=run_id, on_vote=on_vote, on_problem_done=problem_done,
             on_submit=on_submit, idle_rows=lambda: st.idle_rows(run_id),
             on_start=lambda book: st.wants.__setitem__(run_id, book.planner.rows_wanted),

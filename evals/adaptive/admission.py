@@ -1,7 +1,8 @@
 """How paths enter the waves replay (``python -m evals waves``): as the
 engine's :class:`~consensus_spec.sampling.waves.PathPlanner` releases them
 (:class:`WaveAdmission`) and, with ``--forecast``, with votes on running
-paths too (:class:`InFlightAdmission`): the models each set gets, and the
+paths too (:class:`InFlightAdmission`, the experiment of
+:mod:`evals.adaptive.forecast_model`): the models each set gets, and the
 oracle ceiling (``--forecast-model oracle:AT``)."""
 
 from __future__ import annotations
@@ -11,13 +12,13 @@ import os
 from collections import deque
 from dataclasses import dataclass
 
-from consensus_spec.sampling.forecast import PROGRESS_BANDS, ForecastModel, InFlightCheck, flip_with_running
 from consensus_spec.voting.answers import answers_equal
 
 from ..replay.engine import Queued
 from ..traces import shared_path
 from .forecast import DEFAULT_TRACES as FIT_SETS
 from .forecast import fit_others, load_paths
+from .forecast_model import PROGRESS_BANDS, ForecastModel, InFlightCheck, flip_with_running, vote_running
 
 
 class WaveAdmission(Queued):
@@ -45,8 +46,8 @@ class WaveAdmission(Queued):
 class InFlightAdmission(WaveAdmission):
     """A :class:`WaveAdmission` whose problems, every
     ``stride`` steps, also take the vote that counts their running paths
-    (:meth:`PathPlanner.on_progress` with ``in_flight``, an
-    :class:`~consensus_spec.sampling.forecast.InFlightCheck`): ``answers``
+    (:func:`~evals.adaptive.forecast_model.vote_running` with ``in_flight``, an
+    :class:`~evals.adaptive.forecast_model.InFlightCheck`): ``answers``
     and ``lengths`` per problem and path, ``texts(p, path, tokens)`` what
     the check reads of a running path."""
 
@@ -69,7 +70,7 @@ class InFlightAdmission(WaveAdmission):
                                       [self.lengths[p][k] for k in done],
                                       [(paths.get(k, 0), lambda k=k: self.texts(p, k, paths.get(k, 0)))
                                        for k in run], unstarted)
-            submit, abort = self.planner.on_progress(p, check)
+            submit, abort = vote_running(self.planner, p, check)
             self.queue.extend(submit)
             aborts += self._running(abort)
         return aborts
@@ -123,12 +124,12 @@ def forecast_models(args, tokenizer, replayed: list[str]):
     if args.forecast_model.startswith("oracle:"):
         oracle = OracleAt(float(args.forecast_model.split(":", 1)[1]))
         return lambda name: oracle
-    if args.forecast_model not in ("others", "shipped"):
+    if args.forecast_model not in ("others", "saved"):
         with open(args.forecast_model) as f:
             model = ForecastModel.from_json(json.load(f))
         return lambda name: model
     names = {os.path.splitext(t)[0]: t for t in FIT_SETS}
-    if args.forecast_model == "shipped" or not any(n in names for n in replayed):
+    if args.forecast_model == "saved" or not any(n in names for n in replayed):
         return lambda name: ForecastModel.default()
     sets = {n: load_paths(shared_path("traces", t), tokenizer, None, PROGRESS_BANDS) for n, t in names.items()}
     models = {name: fit_others(sets, name) for name in sets}

@@ -1,4 +1,6 @@
-"""Fit and check the forecast of running paths on recorded traces.
+"""Fit and check the forecast of running paths on recorded traces (an
+experiment, :mod:`evals.adaptive.forecast_model`: it measured no gain and
+left the library).
 
     python -m evals forecast [--traces FILE ...] [--limit N] [--write JSON]
 
@@ -6,12 +8,13 @@ For every recorded path: is it still running at each band edge of progress
 (tokens so far over the median length of its problem's other paths), and
 is the last answer in its text so far the full-N leader's, another, or
 none?  :meth:`ForecastModel.fit` turns that into likelihood ratios per band
-and state (:mod:`consensus_spec.sampling.forecast`).  Prints, per set, the
+and state (:mod:`evals.adaptive.forecast_model`).  Prints, per set, the
 ratios fitted on it and how a model fitted on the *other* sets forecasts
 it (mean log loss and Brier score of P(ends on the leader) against the
 vote's own prediction alone, at each band), so a model is never judged on
 the paths it was fitted on.  ``--write`` fits on every set given and
-writes the JSON the package ships (``consensus_spec/sampling/forecast.json``).
+writes the model's JSON (``evals/adaptive/forecast.json`` is made so: the
+model ``waves --forecast-model saved`` replays).
 """
 
 from __future__ import annotations
@@ -22,11 +25,11 @@ import sys
 
 import numpy as np
 
-from consensus_spec.sampling.forecast import STATES, ForecastModel, evidence
 from consensus_spec.voting.answers import answers_equal
 
 from ..options import add_trace_args, fail, trace_sets, write_json
 from ..traces import load_tokenizer
+from .forecast_model import PROGRESS_BANDS, STATES, ForecastModel, evidence
 from .stop_rules import DEFAULT_TRACES
 from .vote_traces import answer_extractor, load_vote_traces, winner
 
@@ -108,7 +111,6 @@ def main(argv=None) -> int:
     add_trace_args(ap, "gsm8k, addsub and svamp")
     ap.add_argument("--write", help="fit on every set given and write the model's JSON here")
     args = ap.parse_args(argv)
-    from consensus_spec.sampling.forecast import PROGRESS_BANDS
     tokenizer = load_tokenizer(args.tokenizer)
     sets = {}
     try:

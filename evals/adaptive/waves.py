@@ -81,7 +81,8 @@ def shuffled(problems: list[Problem], ids, order: int):
 def run_one(problems, ids, correct, n, method, schedule, rule, args, options, forecast=None):
     """One replay; returns a result row (projection added by the caller).
     ``forecast``: (recorded path numbers, vote traces, texts, model) to
-    vote on running paths too (a ``bayes`` rule only)."""
+    vote on running paths too (a ``bayes`` rule only; the experiment of
+    :mod:`evals.adaptive.forecast_model`)."""
     planner = path_planner(len(problems), n, schedule, rule)
     drafter = CpuTimed(make_drafter(method, args.k, max_len(problems, args.k), args.rows, options))
     check = None
@@ -107,7 +108,7 @@ def run_one(problems, ids, correct, n, method, schedule, rule, args, options, fo
         if method != "none" else None
     return {
         "method": method, "waves": schedule.describe(),
-        "early_stop": (rule.describe() if rule else "off") + (
+        "early_stop": (rule.describe() if rule else "off") + ("+forecast" if forecast else "") + (
             f" (oracle at {forecast[3].at:g})" if hasattr(forecast and forecast[3], "at") else ""),
         "forecast_checks": check.checks if check else None, "forecast_reads": check.reads if check else None,
         "problems": len(problems), "n": n, "paths_per_problem": used / len(problems),
@@ -142,12 +143,13 @@ def parse_args(argv=None):
                     help="Schedule.fill_idle: idle rows start later waves early at the tail")
     ap.add_argument("--orders", type=int, default=3, help="path orders: recorded + seeded shuffles")
     ap.add_argument("--forecast", choices=("off", "on", "both"), default="off",
-                    help="bayes rules also vote on running paths' forecasts, as --early-stop on+forecast "
-                         "('both': with and without)")
+                    help="bayes rules also vote on running paths' forecasts (an experiment: "
+                         "evals/adaptive/forecast_model.py; 'both': with and without)")
     ap.add_argument("--forecast-model", default="others",
-                    help="others (a shared set's model fitted on the other shared sets; the shipped "
-                         "model for other sets), shipped, a model JSON (python -m evals forecast --write), "
-                         "or oracle:AT (a ceiling: each running path's own answer, known AT of its way through)")
+                    help="others (a shared set's model fitted on the other shared sets; the saved "
+                         "model for other sets), saved (evals/adaptive/forecast.json), a model JSON "
+                         "(python -m evals forecast --write), or oracle:AT (a ceiling: each running "
+                         "path's own answer, known AT of its way through)")
     ap.add_argument("--stride", type=int, default=8, help="steps between votes on running paths")
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     add_table_args(ap)
@@ -172,15 +174,14 @@ def parse_args(argv=None):
 
 
 def configs(args):
-    """(schedule, rule, method, forecast) per replay of an order."""
+    """(schedule, rule, method, forecast) per replay of an order (a forecast
+    for ``bayes`` rules only)."""
     from consensus_spec.sampling.waves import Schedule
     plain = Schedule(waves=("rest",), capacity=args.rows)
     ways = {"off": (False,), "on": (True,), "both": (False, True)}[args.forecast]
-    rules = [r.with_overrides(forecast=f) if r.kind == "bayes" and not r.forecast else r
-             for r in args.rules for f in ways]
-    return [(plain, None, m) for m in METHODS] + \
-        [(schedule, rule, m) for schedule in args.schedules for rule in dict.fromkeys(rules)
-         for m in METHODS]
+    rules = dict.fromkeys((r, f and r.kind == "bayes") for r in args.rules for f in ways)
+    return [(plain, None, m, False) for m in METHODS] + \
+        [(schedule, rule, m, f) for schedule in args.schedules for rule, f in rules for m in METHODS]
 
 
 def run(args) -> tuple[list[dict], object]:
@@ -191,7 +192,7 @@ def run(args) -> tuple[list[dict], object]:
         raise FileNotFoundError(f"step-cost table not found: {args.costs}")
     options = parse_options(args.option)
     out = []
-    wanted = args.forecast != "off" or any(r.forecast for r in args.rules)
+    wanted = args.forecast != "off"
     model_for = None
     sets = trace_sets(args.traces, DEFAULT_TRACES)
     if wanted:
@@ -204,8 +205,8 @@ def run(args) -> tuple[list[dict], object]:
         run_one(problems[:1], ids[:1], correct[:1], n, "consensus", plain, None, args, options)
         for order in range(args.orders):
             probs, order_ids, recorded = shuffled(problems, ids, order)
-            for schedule, rule, method in configs(args):
-                fc = (recorded, votes, texts, model_for(name)) if rule and rule.forecast else None
+            for schedule, rule, method, forecast in configs(args):
+                fc = (recorded, votes, texts, model_for(name)) if forecast else None
                 row = run_one(probs, order_ids, correct, n, method, schedule, rule, args, options, fc)
                 row.update(traces=name, order=order, rows=args.rows)
                 project(row, costs, host)

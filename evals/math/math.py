@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--early-stop", nargs="*", metavar="RULE",
                     help="adaptive stopping, list ok: off, on (the default rule: bayes, error 0.002), "
                          "a kind (decided: exact), KIND:VALUE (its own parameter: bayes:0.01, "
-                         "window:5), KIND:FIELD=VALUE,... (any StopRule field), +forecast, or a "
+                         "window:5), KIND:FIELD=VALUE,... (any StopRule field), or a "
                          "number (margin); bare flag: on")
     ap.add_argument("--waves", nargs="+", metavar="SPEC",
                     help="wave sizes per problem, list ok: auto (default: all at once without "

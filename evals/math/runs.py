@@ -128,7 +128,7 @@ def make_row(method, n, schedule, rule, run, problems, startup, spec, style) -> 
         num_drafts=stats.num_drafts if stats else 0,
         drafted_tokens=stats.num_draft_tokens if stats else 0,
         accepted_tokens=stats.num_accepted_tokens if stats else 0,
-        est_tokens_saved=run.est_tokens_saved, forecast=run.forecast,
+        est_tokens_saved=run.est_tokens_saved,
         aborted_paths=sum(p.num_aborted for p in run),
         stopped_early=sum(p.stopped_early for p in run),
         engine_startup_s=startup, speculative_config=spec, prompt_style=style,

@@ -1,46 +1,45 @@
-"""What a running path will answer, from its partial text (pure logic, no vLLM).
+"""What a running path will answer, from its partial text: the replay
+experiment behind ``python -m evals forecast`` and ``python -m evals waves
+--forecast`` (pure logic, no vLLM).  It was ``StopRule(forecast=True)`` in
+the library until it measured no gain (docs/stopping.md, "Voting on the
+paths still running").
 
-A stop vote that waits only for finished paths ignores the paths still
-running, though their text already says something.  Measured on recorded
-traces (docs/stopping.md): a path states its answer late, and the last
-number in its partial text is its final answer mostly in the last tenth of
-its length; a path still running well past its finished siblings' length
-is more often in the minority.  So the evidence a running path gives is
-(its progress: tokens so far over the median length of the problem's
-finished paths, and whether the last answer in its partial text is the
-leader's, another's, or none).
-
-:class:`ForecastModel` turns that evidence into a likelihood ratio, "this
-evidence from a path that ends on the leader" over "from one that does
-not", per band of progress, fitted on recorded traces
-(``python -m evals forecast --write``); :meth:`ForecastModel.p_leader`
-combines it with the vote's own prediction (the posterior chance the next
-path votes for the leader, :meth:`AnswerPrior.leader_share`).
-:func:`flip_with_running` is the ``bayes`` rule's flip probability when
-some of the started paths are still running: a mixture over how they end,
-each a vote for the leader with its forecast and otherwise, conservatively,
-a vote for the runner-up.  With no evidence (early in a path) the forecast
-is the vote's own prediction, and the rule is the one without forecasts.
+A path states its answer late, and one still running well past its
+finished siblings is more often in the minority.  So a running path's
+evidence is its progress (tokens so far over the median length of the
+problem's finished paths) and whether the last answer in its partial text
+is the leader's, another's or none.  :class:`ForecastModel` turns it into a
+likelihood ratio per progress band, fitted on recorded traces (``python -m
+evals forecast --write evals/adaptive/forecast.json``), that moves the
+vote's own chance that a path ends on the leader
+(:meth:`AnswerPrior.leader_share`).  :func:`flip_with_running` is the
+``bayes`` rule's flip probability with running paths: a mixture over how
+they end, each a vote for the leader with its forecast and otherwise,
+conservatively, for the runner-up.  :class:`InFlightCheck` is that vote;
+:func:`vote_running` takes it on a
+:class:`~consensus_spec.sampling.waves.PathPlanner`'s problem.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from functools import lru_cache
-from importlib import resources
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from ..voting.answers import DEFAULT_TIMEOUT_S, answers_equal, extract_answer
-from ..voting.vote import cluster_answers
-from .answer_prior import AnswerPrior
-from .stopping import StopRule, tally
+from consensus_spec.sampling.answer_prior import AnswerPrior
+from consensus_spec.sampling.stopping import StopRule, tally
+from consensus_spec.voting.answers import DEFAULT_TIMEOUT_S, answers_equal, extract_answer
+from consensus_spec.voting.vote import cluster_answers
 
-__all__ = ["PROGRESS_BANDS", "STATES", "ForecastModel", "ForecastScore", "InFlightCheck", "evidence",
-           "flip_with_running", "leader_votes"]
+__all__ = ["PROGRESS_BANDS", "STATES", "ForecastModel", "InFlightCheck", "evidence",
+           "flip_with_running", "leader_votes", "vote_running"]
+
+MODEL_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forecast.json")
 
 # progress (tokens so far / median finished length): band i is [edge i-1, edge i)
 PROGRESS_BANDS = (0.5, 0.7, 0.8, 0.9, 1.0, 1.1, 1.3, 1.6)
@@ -132,7 +131,7 @@ class ForecastModel:
 
     @classmethod
     def default(cls) -> "ForecastModel":
-        """The shipped model (``forecast.json``, fitted on recorded traces)."""
+        """The fitted model (``evals/adaptive/forecast.json``, fitted on the shared traces)."""
         return _default()
 
 
@@ -167,32 +166,6 @@ def flip_with_running(prior: AnswerPrior, lead: int, second: int, other: int,
     return min(1.0, flip)
 
 
-@dataclass
-class ForecastScore:
-    """How a run's forecasts did, checked on the paths that finished after
-    one was made: mean log loss of P(ends on the leader) against the
-    outcome, beside the vote's own chance alone (no text read).  Lower is
-    better; a forecast that does not beat its own baseline here is not
-    helping on this model."""
-
-    paths: int = 0
-    loss: float = 0.0
-    loss_without: float = 0.0
-
-    def add(self, chance: float, base: float, on_leader: bool) -> None:
-        def log_loss(q: float) -> float:
-            q = min(max(q, 1e-6), 1.0 - 1e-6)
-            return -math.log(q if on_leader else 1.0 - q)
-        self.paths += 1
-        self.loss += log_loss(chance)
-        self.loss_without += log_loss(base)
-
-    def as_dict(self) -> dict:
-        n = max(self.paths, 1)
-        return {"paths": self.paths, "log_loss": round(self.loss / n, 4),
-                "log_loss_without": round(self.loss_without / n, 4)}
-
-
 class InFlightCheck:
     """The ``bayes`` stop vote counting the paths still running.
 
@@ -221,8 +194,6 @@ class InFlightCheck:
         self.model = model or ForecastModel.default()
         self.extract, self.timeout_s = extract, timeout_s
         self.checks = self.reads = 0  # votes taken, partial texts read
-        self.last_chances: list[float] | None = None  # the last vote's forecasts, if it read them
-        self.last_base, self.last_leader = 0.0, None  # that vote's own chance, and its leader
         self._shapes: dict[tuple, tuple] = {}  # finished answers -> shape() (bounded)
 
     def shape(self, answers: Sequence[str | None]) -> tuple[int, int, int, str]:
@@ -243,7 +214,6 @@ class InFlightCheck:
 
     def __call__(self, answers: Sequence[str | None], lengths: Sequence[int],
                  running: Sequence[tuple[int, Callable[[], str]]], unstarted: int) -> bool:
-        self.last_chances = None
         if not running or all(a is None for a in answers) or len(running) > len(answers):
             return False  # more running than finished: see the class docstring
         lead, second, other, leader = self.shape(answers)
@@ -265,12 +235,32 @@ class InFlightCheck:
             state = evidence(text(), leader, self.extract,
                              lambda a, b: answers_equal(a, b, self.timeout_s))
             chances.append(self.model.p_leader(base, progress, state))
-        self.last_chances = chances  # run-ahead weighs them (PathBook.running_forecast)
-        self.last_base, self.last_leader = base, leader
         return flip_with_running(self.prior, lead, second, other, chances, unstarted, length) <= error
+
+
+def vote_running(planner, p: int, check: Callable[[list, list, list, int], bool]) -> tuple[list, list]:
+    """A vote on problem ``p`` of ``planner`` (a
+    :class:`~consensus_spec.sampling.waves.PathPlanner`) that counts the
+    paths still running: ``check(paths, answers, running, remaining)`` is
+    asked with the started paths that finished and their answers (in path
+    order), the running paths and the number not started; if it says stop,
+    the problem stops as after a finished path's vote.  Paths start in path
+    order, so the started paths are a prefix, whichever of them finished
+    first.  Returns (paths to submit, paths to abort).  The library keeps
+    no hook for it: this reads the planner's per-problem state and stops
+    the problem through the planner's own ``_stop`` (tests/test_forecast.py
+    checks it against the planner)."""
+    st = planner.problems.get(p)
+    if st is None or p in planner.stopped or len(st.answers) == planner.n or not st.inflight \
+            or planner.stop_check is None:
+        return [], []
+    paths = [k for k in range(st.next_path) if k in st.by_path]
+    if check(paths, [st.by_path[k] for k in paths], sorted(st.inflight), planner.n - st.next_path):
+        return planner._stop(p, st)
+    return [], []
 
 
 @lru_cache(maxsize=1)
 def _default() -> ForecastModel:
-    text = resources.files("consensus_spec.sampling").joinpath("forecast.json").read_text()
-    return ForecastModel.from_json(json.loads(text))
+    with open(MODEL_JSON) as f:
+        return ForecastModel.from_json(json.load(f))
