@@ -22,10 +22,11 @@ import sys
 import tarfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo
-# main before issue 50 (new paths and prompts off the Python path; issue 43, the
-# drafter's per-step host time, compared against 287c905): what `python -m evals
+# main before issue 50 (new paths and prompts off the Python path), after the budget
+# guard's change ab012eb, so both codes draft alike (440a09e, the default until
+# 2026-12-06, predates it: its lock-step check failed): what `python -m evals
 # propose-time` compares against by default
-PREVIOUS = "440a09e"
+PREVIOUS = "2df8630"
 
 
 def _git(*args: str) -> bytes:

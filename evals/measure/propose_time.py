@@ -2,7 +2,7 @@
 against the previous one, in one run.
 
     python -m evals propose-time [--traces FILE ...] [--limit 100] [--rows 16 64 128 256 512]
-                                 [--previous 440a09e] [--repeats 3] [--out results/propose_time]
+                                 [--previous 2df8630] [--repeats 3] [--out results/propose_time]
 
 vLLM runs a custom proposer serially between model steps, so every
 microsecond it takes is added to every step. Each trace set is replayed
