@@ -93,6 +93,17 @@ def test_waves_open_one_after_another_and_fill_capacity():
     assert plan.num_inflight == 4 and plan.waves_started(0) == 3 and plan.waves_started(2) == 1
 
 
+def test_stop_from_outside_ends_a_problem_as_a_settled_vote_does():
+    plan = PathPlanner(2, n=4, schedule=Schedule(waves=(2, REST), capacity=3))
+    assert plan.admit() == [(0, 0), (0, 1), (1, 0)]
+    # problem 0 ends now: its running paths are aborted and its two rows go to
+    # problem 1 (the rest of its first wave, then its next wave into the idle row)
+    assert plan.stop(0) == ([(1, 1), (1, 2)], [(0, 0), (0, 1)])
+    assert 0 in plan.stopped and plan.num_inflight == 3 and plan.num_unsent(0) == 2
+    assert plan.stop(0) == ([], [])  # already stopped: nothing more
+    assert plan.stop(5) == ([], [])  # not a problem of this run
+
+
 def test_unbounded_capacity_sends_every_opened_wave_at_once():
     plan = PathPlanner(2, n=3)  # default schedule: all at once
     assert plan.admit() == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]

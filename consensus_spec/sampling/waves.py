@@ -267,6 +267,15 @@ class PathPlanner:
             self._open_next(p)  # every opened wave finished: the next one is due
         return self.admit(), []
 
+    def stop(self, p: int) -> tuple[list, list]:
+        """End problem ``p`` now, as a settled vote does (for a caller's own
+        vote, e.g. one on running paths): (paths to submit, its paths to
+        abort); nothing if it is not running or already done."""
+        st = self.problems.get(p)
+        if st is None or p in self.stopped or len(st.answers) == self.n:
+            return [], []
+        return self._stop(p, st)
+
     def _stop(self, p: int, st: _Problem) -> tuple[list, list]:
         abort = [(p, k) for k in sorted(st.inflight)]
         self.num_inflight -= len(abort)

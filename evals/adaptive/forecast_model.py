@@ -248,7 +248,7 @@ def vote_running(planner, p: int, check: Callable[[list, list, list, int], bool]
     order, so the started paths are a prefix, whichever of them finished
     first.  Returns (paths to submit, paths to abort).  The library keeps
     no hook for it: this reads the planner's per-problem state and stops
-    the problem through the planner's own ``_stop`` (tests/test_forecast.py
+    the problem with :meth:`PathPlanner.stop` (tests/test_forecast.py
     checks it against the planner)."""
     st = planner.problems.get(p)
     if st is None or p in planner.stopped or len(st.answers) == planner.n or not st.inflight \
@@ -256,7 +256,7 @@ def vote_running(planner, p: int, check: Callable[[list, list, list, int], bool]
         return [], []
     paths = [k for k in range(st.next_path) if k in st.by_path]
     if check(paths, [st.by_path[k] for k in paths], sorted(st.inflight), planner.n - st.next_path):
-        return planner._stop(p, st)
+        return planner.stop(p)
     return [], []
 
 
