@@ -325,8 +325,14 @@ def test_bench_sweeps_schedules_and_reports_both_views(tmp_path):
     assert {r["method"] for r in results} == {"none", "ngram", "suffix", "suffix-budget",
                                               "consensus-nobudget", "consensus"}
     assert len([r for r in results if r["method"] == "consensus" and r["batch"] == 64]) == 2
+    none64 = next(r for r in results if r["method"] == "none" and r["batch"] == 64)
     for r in results:
         assert "speedup" in r and "speedup_async" in r
+        # the whole run projected step by step, against no drafting's at the same batch size
+        assert r["run_ms"] > 0 and r["batch"] != 64 or r["run_speedup"] == pytest.approx(
+            none64["run_ms"] / r["run_ms"])
+        fb = r["full_batch"]
+        assert fb["steps"] >= 0 and (fb["steps"] == 0 or fb["tau"] >= 1.0)
         if r["method"] != "none":  # host time below the step: drafting only loses by it
             assert r["speedup_async"] < r["speedup"]
     for method in ("ngram", "suffix"):
@@ -358,8 +364,9 @@ def test_bench_sweeps_schedules_and_reports_both_views(tmp_path):
     assert "WHAT-IF" in (tmp_path / "free.md").read_text()
     for r in json.loads((tmp_path / "free.json").read_text())["results"]:
         if r["method"] != "none":
-            b, d = r["batch"], r["drafts_per_step"]
-            assert r["speedup"] == pytest.approx(r["tau"] * step_ms(b, 1) / step_ms(b, 1 + d))
+            seen = r["full_batch"] if r["projected_over"] == "full-batch steps" else r
+            b, d = r["batch"], seen["drafts_per_step"]
+            assert r["speedup"] == pytest.approx(seen["tau"] * step_ms(b, 1) / step_ms(b, 1 + d))
 
 
 def test_bench_missing_host_table_is_an_error(tmp_path):

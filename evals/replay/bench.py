@@ -26,6 +26,7 @@ from .engine import Queued, VirtualClock, replay
 from .projection import DEFAULT_COSTS, HostTime, StepCosts, break_even_host_ms, for_run, run_ms
 
 DEFAULT_HOST_TIME = "results/host_time.jsonl"
+MIN_FULL_STEPS = 20  # full-batch steps a projection at that batch size needs (else: every step)
 TAIL_SHARE = 0.9  # --admission fixed: the tail starts when a batch has this share of its tokens
 
 
@@ -116,8 +117,20 @@ class Bench:
         self._prior: str | None = None  # consensus's what-if prior (prior_table)
 
     def project(self, row: dict) -> dict:
-        b, tau, d = row["batch"], row["tau"], row["drafts_per_step"]
-        c = row["cpu_us_per_row"] * self.args.drafter_time_scale
+        """The projected speedup at the row's batch size, from the steps run at
+        that size (``full_batch``): a run's draining tail drafts at smaller,
+        cheaper batches, and priced at the full batch's step cost it would
+        count against drafting. Rows without enough full-batch steps (or saved
+        before they were kept) use every step; ``projected_over`` says which."""
+        b = row["batch"]
+        full = row.get("full_batch") or {}
+        if full.get("steps", 0) >= MIN_FULL_STEPS:
+            tau, d, c, row["projected_over"] = (full["tau"], full["drafts_per_step"],
+                                                full["cpu_us_per_row"], "full-batch steps")
+        else:
+            tau, d, c, row["projected_over"] = (row["tau"], row["drafts_per_step"],
+                                                row["cpu_us_per_row"], "all steps")
+        c *= self.args.drafter_time_scale
         if row["method"] in DEVICE_METHODS:  # drafts on the device; host work off the critical path
             c = device_us_per_row(b)
         if self.costs is None or b not in self.costs.batch_sizes:
@@ -197,10 +210,16 @@ class Bench:
             stats = replay(problems, drafter, method, k, batch, scouts, bar, clock=clock)
         print(f"  {desc}: tau {stats.tau:.2f}, {drafter.us_per_row:.1f} µs/row-step CPU "
               f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+        full_calls = [s for s, n in zip(drafter.call_s, drafter.call_rows) if n == batch]
         row = {"traces": name, "problems": len(problems), "batch": batch, **stats.summary(),
                "cpu_us_per_row": drafter.us_per_row, "cpu_median_us_per_row": drafter.median_us_per_row,
                "cpu_p99_us_per_row": drafter.percentiles().get("p99", 0.0),
-               "cpu_full_batch_us_per_row": drafter.percentiles(batch)}
+               "cpu_full_batch_us_per_row": drafter.percentiles(batch),
+               "full_batch": {**stats.at_rows(batch),
+                              "cpu_us_per_row": sum(full_calls) * 1e6 / max(len(full_calls) * batch, 1)}}
+        if self.costs is not None:  # the whole run, step by step (replay() pairs it with none's)
+            row["run_ms"] = (run_ms(self.costs, stats.step_rows, stats.step_drafted)
+                             + drafter.cpu_s * 1000.0 * self.args.drafter_time_scale * (method != "none"))
         if hasattr(inner, "route_stats"):
             row.update(inner.route_stats())
         if hasattr(inner, "budget_stats"):  # suffix-budget and consensus*: the budget's state
@@ -293,6 +312,18 @@ class Bench:
                 "cpu_us_per_row": drafter.us_per_row,
                 "schedule": [list(e) for e in schedule] if schedule else None,
                 "suffix_options": suffix_options}
+
+
+def pair_runs(results: list[dict]) -> list[dict]:
+    """Each row's ``run_speedup``: no drafting's whole projected run over its
+    own, the same trace set and batch size (every step, the drain included)."""
+    none = {(r["traces"], r["batch"]): r["run_ms"] for r in results
+            if r["method"] == "none" and r.get("run_ms")}
+    for r in results:
+        base = none.get((r["traces"], r["batch"]))
+        if base and r.get("run_ms"):
+            r["run_speedup"] = base / r["run_ms"]
+    return results
 
 
 def batches_of(problems, rows: int, group: int | None):

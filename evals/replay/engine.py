@@ -50,6 +50,7 @@ class ReplayStats:
     call_us_per_row: list = field(default_factory=list, repr=False)  # per propose call
     step_rows: list = field(default_factory=list, repr=False)  # batch size per verified step
     step_drafted: list = field(default_factory=list, repr=False)  # draft tokens per step
+    step_tokens: list = field(default_factory=list, repr=False)  # tokens the step produced
 
     @property
     def median_us_per_row(self) -> float:
@@ -73,11 +74,22 @@ class ReplayStats:
 
     def summary(self) -> dict:
         out = asdict(self)
-        for key in ("call_us_per_row", "step_rows", "step_drafted"):
+        for key in ("call_us_per_row", "step_rows", "step_drafted", "step_tokens"):
             del out[key]
         return {**out, "tau": self.tau, "acceptance": self.acceptance,
                 "drafts_per_step": self.drafts_per_step, "us_per_row": self.us_per_row,
                 "median_us_per_row": self.median_us_per_row}
+
+    def at_rows(self, rows: int) -> dict:
+        """τ and draft tokens per row-step over the steps with exactly ``rows``
+        rows (a full batch), and how many such steps there were: a run's
+        draining tail, at smaller batches with cheaper drafts, left out."""
+        steps = tokens = drafted = 0
+        for b, d, t in zip(self.step_rows, self.step_drafted, self.step_tokens):
+            if b == rows:
+                steps, tokens, drafted = steps + 1, tokens + t, drafted + d
+        row_steps = steps * rows
+        return {"steps": steps, "tau": tokens / max(row_steps, 1), "drafts_per_step": drafted / max(row_steps, 1)}
 
 
 class VirtualClock:
@@ -216,7 +228,7 @@ def replay(problems: list[Problem], drafter, method: str, k: int, max_rows: int,
         if any(r.done for r in rows):
             _condense(rows, sampled, drafts, batch, set_row)
 
-        drafted = 0
+        drafted, tokens_before = 0, stats.tokens
         for i, row in enumerate(rows):
             if row.done:
                 continue  # aborted earlier this step
@@ -255,6 +267,7 @@ def replay(problems: list[Problem], drafter, method: str, k: int, max_rows: int,
             clock.step(len(rows), drafted)
         stats.step_rows.append(len(rows))
         stats.step_drafted.append(drafted)
+        stats.step_tokens.append(stats.tokens - tokens_before)
         if on_step is not None:
             on_step(stats)
     return stats

@@ -27,7 +27,7 @@ import json
 from ..machine import loop_line, python_loop_ns
 from ..options import add_option_arg, add_trace_args, fail, trace_sets, write_results
 from ..traces import TraceError, load_problems, load_tokenizer
-from .bench import Bench, add_table_args, load_tables, pick_schedule
+from .bench import Bench, add_table_args, load_tables, pair_runs, pick_schedule
 from .drafters import DEVICE_METHODS, METHODS, SCHEDULABLE
 from .report import fixed_markdown, markdown, sweep_markdown, targets
 
@@ -147,7 +147,9 @@ def reproject(args) -> tuple[list[dict], list[dict], dict]:
     with open(args.from_json, encoding="utf-8") as f:
         saved = json.load(f)
     bench = Bench(args, *load_tables(args))
-    strip = ("speedup", "speedup_async", "speedup_both_sync", "host_ms", "break_even_host_ms")
+    # the whole-run projection needs each step, which is not saved: left out here
+    strip = ("speedup", "speedup_async", "speedup_both_sync", "host_ms", "break_even_host_ms",
+             "run_ms", "run_speedup")
     results = [bench.project({k: v for k, v in r.items() if k not in strip}) for r in saved["results"]]
     sweeps = [bench.project({k: v for k, v in r.items() if k not in strip}) for r in saved.get("sweep", [])]
     tuned = saved.get("schedules", {})  # as saved (JSON keys): only the markdown and the .json read them
@@ -198,7 +200,7 @@ def run(args) -> tuple[list[dict], list[dict], dict]:
                         if pick:
                             row["k_at_batch"] = pick["k"].get(batch)
                         results.append(row)
-    return results, sweeps, tuned
+    return pair_runs(results), sweeps, tuned
 
 
 def main(argv=None) -> int:

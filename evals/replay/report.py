@@ -32,7 +32,11 @@ def cell(runs: list[dict], async_view: bool, bold: bool = False) -> str:
     text = f"**{mean('speedup'):.2f}**" if bold else f"{mean('speedup'):.2f}"
     if async_view:
         text += f" / {mean('speedup_async'):.2f}"
-    notes = [f"τ {mean('tau'):.2f}"]
+    full = runs[0].get("projected_over") == "full-batch steps"
+    tau = sum((r["full_batch"]["tau"] if full else r["tau"]) for r in runs) / len(runs)
+    notes = [f"τ {tau:.2f}" + ("" if full else ", all steps")]
+    if all("run_speedup" in r for r in runs) and runs[0]["method"] != "none":
+        notes.append(f"run {mean('run_speedup'):.2f}")
     if runs[0].get("k_at_batch") is not None:
         notes.insert(0, f"k{runs[0]['k_at_batch']}" if runs[0]["k_at_batch"] else "off")
     if len(runs) > 1:
@@ -77,7 +81,10 @@ def markdown(results: list[dict], tuned: dict, host: HostTime | None = None) -> 
         out.append("")
     legend = ("Projected H200 (Qwen2.5-7B step costs) decode speedup over no drafting"
               + (": async-unaware / async-aware" if async_view else ", async-unaware")
-              + " (τ tokens per row-step; k the scheduled draft length at that batch size). "
+              + " at each batch size, over the steps run with that many rows (τ tokens per "
+              "row-step there; \"all steps\": too few full-batch steps, every step counted; "
+              "run: the whole run projected step by step, draining tail included, over no "
+              "drafting's; k the scheduled draft length at that batch size). "
               "A projection from measured GPU step costs and drafter CPU time measured here, "
               "not a GPU measurement. Bold: consensus ahead of no drafting and of every "
               "baseline (ngram, suffix, suffix + this budget) in the async-unaware view in every run.")
