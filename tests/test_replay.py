@@ -110,13 +110,13 @@ def test_projection_matches_the_formula(tmp_path):
     # T(16, 2.5) = 12 between the table's rows; tau 2, 100 µs per row over 16 rows = 1.6 ms
     assert at16["speedup"] == pytest.approx(2.0 * 10.0 / (12.0 + 1.6))
     assert "speedup" not in at64  # a batch size the table lacks is not projected
-    assert at16["projected_over"] == "all steps"  # saved before full-batch steps were kept
+    assert at16["projected_over"] == "all steps"  # saved before steady steps were kept
 
 
-def test_projection_at_a_batch_size_reads_its_full_batch_steps(tmp_path):
+def test_projection_at_a_batch_size_reads_its_steady_steps(tmp_path):
     """A run's draining tail drafts at smaller batches: the projection at B
-    rows takes τ, drafts and drafter time from the steps run with B rows, once
-    there are enough of them, and says which it used."""
+    rows takes τ, drafts and drafter time from the steps run while paths still
+    waited to enter, once there are enough of them, and says which it used."""
     costs = tmp_path / "costs.jsonl"
     costs.write_text("".join(json.dumps({"B": 16, "q": q, "ms": ms}) + "\n"
                              for q, ms in ((1, 10.0), (2, 11.0), (3, 13.0))))
@@ -124,14 +124,23 @@ def test_projection_at_a_batch_size_reads_its_full_batch_steps(tmp_path):
             "tau": 1.2, "drafts_per_step": 2.0, "cpu_us_per_row": 500.0}
     full = {"tau": 2.0, "drafts_per_step": 1.5, "cpu_us_per_row": 100.0}
     saved = tmp_path / "saved.json"
-    saved.write_text(json.dumps({"results": [{**base, "full_batch": {**full, "steps": 20}},
-                                             {**base, "traces": "few", "full_batch": {**full, "steps": 19}}]}))
+    saved.write_text(json.dumps({"results": [{**base, "steady": {**full, "steps": 20}},
+                                             {**base, "traces": "few", "steady": {**full, "steps": 19}}]}))
     ok(run_evals("replay", "--from-json", saved, "--costs", costs, "--host-time", "none", "--out", tmp_path / "p"))
     enough, few = read_json(tmp_path / "p.json")["results"]
-    assert enough["projected_over"] == "full-batch steps"
+    assert enough["projected_over"] == "steady steps"
     assert enough["speedup"] == pytest.approx(2.0 * 10.0 / (12.0 + 1.6))
-    assert few["projected_over"] == "all steps"  # 19 full-batch steps: every step counted
+    assert few["projected_over"] == "all steps"  # 19 steady steps: every step counted
     assert few["speedup"] == pytest.approx(1.2 * 10.0 / (13.0 + 8.0))
+
+
+def test_steady_steps_end_where_the_batch_starts_to_drain():
+    from evals.replay.engine import ReplayStats
+    stats = ReplayStats("consensus", 0, step_rows=[4, 4, 3, 2, 1], step_drafted=[8, 4, 3, 0, 0],
+                        step_tokens=[12, 8, 6, 2, 1], drain_step=2)
+    assert stats.steady() == {"steps": 2, "tau": 20 / 8, "drafts_per_step": 12 / 8}
+    stats.drain_step = None  # never drained (the batch ran full to the end)
+    assert stats.steady()["steps"] == 5
 
 
 FLOOR_OFF = """

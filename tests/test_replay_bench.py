@@ -331,7 +331,7 @@ def test_bench_sweeps_schedules_and_reports_both_views(tmp_path):
         # the whole run projected step by step, against no drafting's at the same batch size
         assert r["run_ms"] > 0 and r["batch"] != 64 or r["run_speedup"] == pytest.approx(
             none64["run_ms"] / r["run_ms"])
-        fb = r["full_batch"]
+        fb = r["steady"]
         assert fb["steps"] >= 0 and (fb["steps"] == 0 or fb["tau"] >= 1.0)
         if r["method"] != "none":  # host time below the step: drafting only loses by it
             assert r["speedup_async"] < r["speedup"]
@@ -364,7 +364,7 @@ def test_bench_sweeps_schedules_and_reports_both_views(tmp_path):
     assert "WHAT-IF" in (tmp_path / "free.md").read_text()
     for r in json.loads((tmp_path / "free.json").read_text())["results"]:
         if r["method"] != "none":
-            seen = r["full_batch"] if r["projected_over"] == "full-batch steps" else r
+            seen = r["steady"] if r["projected_over"] == "steady steps" else r
             b, d = r["batch"], seen["drafts_per_step"]
             assert r["speedup"] == pytest.approx(seen["tau"] * step_ms(b, 1) / step_ms(b, 1 + d))
 

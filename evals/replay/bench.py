@@ -26,7 +26,7 @@ from .engine import Queued, VirtualClock, replay
 from .projection import DEFAULT_COSTS, HostTime, StepCosts, break_even_host_ms, for_run, run_ms
 
 DEFAULT_HOST_TIME = "results/host_time.jsonl"
-MIN_FULL_STEPS = 20  # full-batch steps a projection at that batch size needs (else: every step)
+MIN_STEADY_STEPS = 20  # steady steps a projection at that batch size needs (else: every step)
 TAIL_SHARE = 0.9  # --admission fixed: the tail starts when a batch has this share of its tokens
 
 
@@ -117,16 +117,17 @@ class Bench:
         self._prior: str | None = None  # consensus's what-if prior (prior_table)
 
     def project(self, row: dict) -> dict:
-        """The projected speedup at the row's batch size, from the steps run at
-        that size (``full_batch``): a run's draining tail drafts at smaller,
-        cheaper batches, and priced at the full batch's step cost it would
-        count against drafting. Rows without enough full-batch steps (or saved
-        before they were kept) use every step; ``projected_over`` says which."""
+        """The projected speedup at the row's batch size, from the steps run
+        while paths still waited to enter (``steady``): a run's draining tail
+        drafts at smaller, cheaper batches, and priced at the full batch's
+        step cost it would count against drafting. Rows without enough such
+        steps (or saved before they were kept) use every step;
+        ``projected_over`` says which."""
         b = row["batch"]
-        full = row.get("full_batch") or {}
-        if full.get("steps", 0) >= MIN_FULL_STEPS:
+        full = row.get("steady") or {}
+        if full.get("steps", 0) >= MIN_STEADY_STEPS:
             tau, d, c, row["projected_over"] = (full["tau"], full["drafts_per_step"],
-                                                full["cpu_us_per_row"], "full-batch steps")
+                                                full["cpu_us_per_row"], "steady steps")
         else:
             tau, d, c, row["projected_over"] = (row["tau"], row["drafts_per_step"],
                                                 row["cpu_us_per_row"], "all steps")
@@ -210,13 +211,14 @@ class Bench:
             stats = replay(problems, drafter, method, k, batch, scouts, bar, clock=clock)
         print(f"  {desc}: tau {stats.tau:.2f}, {drafter.us_per_row:.1f} µs/row-step CPU "
               f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
-        full_calls = [s for s, n in zip(drafter.call_s, drafter.call_rows) if n == batch]
+        steady = stats.steady()
+        steady_calls = drafter.call_s[:steady["steps"]]
         row = {"traces": name, "problems": len(problems), "batch": batch, **stats.summary(),
                "cpu_us_per_row": drafter.us_per_row, "cpu_median_us_per_row": drafter.median_us_per_row,
                "cpu_p99_us_per_row": drafter.percentiles().get("p99", 0.0),
                "cpu_full_batch_us_per_row": drafter.percentiles(batch),
-               "full_batch": {**stats.at_rows(batch),
-                              "cpu_us_per_row": sum(full_calls) * 1e6 / max(len(full_calls) * batch, 1)}}
+               "steady": {**steady, "cpu_us_per_row": sum(steady_calls) * 1e6
+                          / max(sum(drafter.call_rows[:steady["steps"]]), 1)}}
         if self.costs is not None:  # the whole run, step by step (replay() pairs it with none's)
             row["run_ms"] = (run_ms(self.costs, stats.step_rows, stats.step_drafted)
                              + drafter.cpu_s * 1000.0 * self.args.drafter_time_scale * (method != "none"))

@@ -51,6 +51,7 @@ class ReplayStats:
     step_rows: list = field(default_factory=list, repr=False)  # batch size per verified step
     step_drafted: list = field(default_factory=list, repr=False)  # draft tokens per step
     step_tokens: list = field(default_factory=list, repr=False)  # tokens the step produced
+    drain_step: int | None = None  # the first step with no path left waiting to enter
 
     @property
     def median_us_per_row(self) -> float:
@@ -80,16 +81,15 @@ class ReplayStats:
                 "drafts_per_step": self.drafts_per_step, "us_per_row": self.us_per_row,
                 "median_us_per_row": self.median_us_per_row}
 
-    def at_rows(self, rows: int) -> dict:
-        """τ and draft tokens per row-step over the steps with exactly ``rows``
-        rows (a full batch), and how many such steps there were: a run's
-        draining tail, at smaller batches with cheaper drafts, left out."""
-        steps = tokens = drafted = 0
-        for b, d, t in zip(self.step_rows, self.step_drafted, self.step_tokens):
-            if b == rows:
-                steps, tokens, drafted = steps + 1, tokens + t, drafted + d
-        row_steps = steps * rows
-        return {"steps": steps, "tau": tokens / max(row_steps, 1), "drafts_per_step": drafted / max(row_steps, 1)}
+    def steady(self) -> dict:
+        """τ and draft tokens per row-step over the steps run while paths were
+        still waiting to enter (the batch as full as finishing paths let it
+        be), and how many there were: the draining tail after the last path
+        entered, at smaller batches with cheaper drafts, left out."""
+        end = len(self.step_rows) if self.drain_step is None else self.drain_step
+        row_steps = sum(self.step_rows[:end])
+        return {"steps": end, "tau": sum(self.step_tokens[:end]) / max(row_steps, 1),
+                "drafts_per_step": sum(self.step_drafted[:end]) / max(row_steps, 1)}
 
 
 class VirtualClock:
@@ -211,6 +211,8 @@ def replay(problems: list[Problem], drafter, method: str, k: int, max_rows: int,
             batch.token_ids_cpu[i, :row.n] = seq[:row.n]
             batch.num_prompt_tokens[i] = len(prob.prompt)
             set_row(i, row)
+        if stats.drain_step is None and len(rows) < max_rows:
+            stats.drain_step = len(stats.step_rows)  # nothing waits: the batch drains from here
         if not rows:
             break
 

@@ -32,8 +32,8 @@ def cell(runs: list[dict], async_view: bool, bold: bool = False) -> str:
     text = f"**{mean('speedup'):.2f}**" if bold else f"{mean('speedup'):.2f}"
     if async_view:
         text += f" / {mean('speedup_async'):.2f}"
-    full = runs[0].get("projected_over") == "full-batch steps"
-    tau = sum((r["full_batch"]["tau"] if full else r["tau"]) for r in runs) / len(runs)
+    full = runs[0].get("projected_over") == "steady steps"
+    tau = sum((r["steady"]["tau"] if full else r["tau"]) for r in runs) / len(runs)
     notes = [f"τ {tau:.2f}" + ("" if full else ", all steps")]
     if all("run_speedup" in r for r in runs) and runs[0]["method"] != "none":
         notes.append(f"run {mean('run_speedup'):.2f}")
@@ -81,8 +81,8 @@ def markdown(results: list[dict], tuned: dict, host: HostTime | None = None) -> 
         out.append("")
     legend = ("Projected H200 (Qwen2.5-7B step costs) decode speedup over no drafting"
               + (": async-unaware / async-aware" if async_view else ", async-unaware")
-              + " at each batch size, over the steps run with that many rows (τ tokens per "
-              "row-step there; \"all steps\": too few full-batch steps, every step counted; "
+              + " at each batch size, over the steps run while paths still waited to enter (τ "
+              "tokens per row-step there; \"all steps\": too few such steps, every step counted; "
               "run: the whole run projected step by step, draining tail included, over no "
               "drafting's; k the scheduled draft length at that batch size). "
               "A projection from measured GPU step costs and drafter CPU time measured here, "
