@@ -402,6 +402,68 @@ def test_prompts(tmp_path):
     assert synth["prompt"] == format_prompt(synth["question"])
 
 
+# rows in gsm8k_train.jsonl's layout, made up here (tests do not read ../shared)
+TRAIN_ROWS = [
+    {"question": "Tom has 3 boxes of 4 pens. How many pens?",
+     "answer": "He has 3 * 4 = <<3*4=12>>12 pens.\n#### 12"},
+    {"question": "  A farm sells 1,000 eggs a day and 200 more on Sunday. How many on Sunday?  ",
+     "answer": "On Sunday it sells 1,000 + 200 = <<1000+200=1200>>1,200 eggs.\n#### 1,200"},
+    {"question": "Never used.", "answer": "#### 0"},
+]
+
+
+def test_fewshot_prompts(tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from evals.math import prompts, record
+    from evals.math.datasets import MathProblem
+
+    train = write_jsonl(tmp_path / "train.jsonl", TRAIN_ROWS)
+    shots = prompts.fewshot_examples(2, train)  # the first K rows, in order
+    assert shots == [
+        ("Tom has 3 boxes of 4 pens. How many pens?", "He has 3 * 4 = 12 pens.\nThe answer is \\boxed{12}."),
+        ("A farm sells 1,000 eggs a day and 200 more on Sunday. How many on Sunday?",
+         "On Sunday it sells 1,000 + 200 = 1,200 eggs.\nThe answer is \\boxed{1200}.")]
+    question = MathProblem("t-0", "What is 2+2?", "4")
+    plain = prompts.build_prompt(question, None, shots)
+    assert plain == (f"{MATH_INSTRUCTION}\n\n"
+                     f"Question: {shots[0][0]}\nAnswer: {shots[0][1]}\n\n"
+                     f"Question: {shots[1][0]}\nAnswer: {shots[1][1]}\n\n"
+                     "Question: What is 2+2?\nAnswer:")
+    assert prompts.build_prompt(question, None, ()) == prompts.build_prompt(question)  # zero-shot unchanged
+    # a chat template: each example an earlier user turn (the zero-shot turn) and the assistant's answer
+    template = ("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}[/{{ m['role'] }}]{% endfor %}"
+                "{% if add_generation_prompt %}[assistant]{% endif %}")
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir(tmp_path / "chat", chat_template=template))
+    turn = f"{MATH_INSTRUCTION}\n\n"
+    assert prompts.build_prompt(question, tok, shots[:1]) == (
+        f"[user]{turn}{shots[0][0]}[/user][assistant]{shots[0][1]}[/assistant]"
+        f"[user]{turn}What is 2+2?[/user][assistant]")
+    with pytest.raises(prompts.FewShotError, match="synthetic"):
+        prompts.build_prompt(MathProblem("s", "1+1", "2", "synthetic"), None, shots)
+    # clear errors: K out of range, a missing or malformed file
+    with pytest.raises(prompts.FewShotError, match="must be >= 1"):
+        prompts.fewshot_examples(0, train)
+    with pytest.raises(prompts.FewShotError, match="has only 3 examples"):
+        prompts.fewshot_examples(4, train)
+    with pytest.raises(prompts.FewShotError, match="train split: .*absent.jsonl not found"):
+        prompts.fewshot_examples(2, str(tmp_path / "absent.jsonl"))
+    bad = write_jsonl(tmp_path / "bad.jsonl", [TRAIN_ROWS[0], {"question": "no answer"}])
+    with pytest.raises(prompts.FewShotError, match="bad.jsonl, line 2: not a GSM8K row"):
+        prompts.fewshot_examples(2, bad)
+    # the record command: --fewshot checked before any engine starts
+    for argv, message in ((["--fewshot", "0"], "--fewshot must be >= 1"),
+                          (["--dataset", "synthetic", "--fewshot", "2"], "use it with --dataset gsm8k")):
+        with pytest.raises(record.UsageError, match=message):
+            record.parse_args(["--out", str(tmp_path / "r.jsonl"), *argv])
+    assert record.parse_args(["--out", "r.jsonl", "--dataset", "gsm8k", "--fewshot", "2"]).fewshot == 2
+    monkeypatch.setattr(prompts, "fewshot_file", lambda: train)
+    assert record.load_shots(2) == shots and record.load_shots(None) == []
+    monkeypatch.setattr(prompts, "fewshot_file", lambda: str(tmp_path / "absent.jsonl"))
+    with pytest.raises(record.UsageError, match="needs GSM8K.s train split"):
+        record.load_shots(2)
+
+
 # ---------------------------------------------------------------------------
 # Scoring and reporting
 # ---------------------------------------------------------------------------

@@ -2,10 +2,12 @@
 
     python -m evals record --out FILE.jsonl [--dataset synthetic|gsm8k|math500|aime2024|FILE]
                            [--limit N] [--n 8] [--temperature 0.8] [--max-tokens T]
+                           [--fewshot K]
                            [--model DIR] [--speculative none|consensus] [--logprobs]
 
 Plain ``LLM.generate`` with ``SamplingParams(n=...)`` on the math eval's
-problems and prompts (``evals/math/datasets.py``, ``evals/math/prompts.py``), written to
+problems and prompts (``evals/math/datasets.py``, ``evals/math/prompts.py``; with
+``--fewshot K`` each GSM8K prompt begins with K solved examples), written to
 ``--out`` in batches of ``--batch-size`` problems, one problem per line: the
 shared trace format (``id``, ``prompt``, ``completions``, ``answer`` (gold),
 ``model``, ``temperature``, ``source``; see ../shared/data/README.md) plus
@@ -37,7 +39,8 @@ from .llm import (add_run_args, build_llm, check_dependencies, check_run_args, d
                   load_run, shutdown)
 
 # meta fields that must match to append to an existing file
-SAME_ON_RESUME = ("model", "dataset", "n", "temperature", "top_p", "max_tokens", "seed", "logprobs")
+SAME_ON_RESUME = ("model", "dataset", "fewshot", "n", "temperature", "top_p", "max_tokens", "seed",
+                  "logprobs")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", required=True, help="JSONL trace file (appended to: resumes)")
     ap.add_argument("--dataset", default="synthetic",
                     help="synthetic (default), gsm8k, math500, aime2024, or a .jsonl/.json/.parquet file")
+    ap.add_argument("--fewshot", type=int, metavar="K",
+                    help="with --dataset gsm8k: K solved examples before each question (the first K "
+                         "of ../shared/data/math/gsm8k_train.jsonl), a few-shot chain-of-thought prompt")
     add_run_args(ap)
     ap.add_argument("--n", type=int, default=8, help="samples per problem")
     ap.add_argument("--logprobs", action="store_true", help="store each sampled token's logprob")
@@ -60,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv=None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
-    check_run_args(args, ("k", "batch_size", "limit"))
+    check_run_args(args, ("k", "batch_size", "limit", "fewshot"))
+    if args.fewshot and args.dataset.lower() != "gsm8k":
+        raise UsageError("--fewshot takes GSM8K's train split as examples: use it with --dataset gsm8k")
     # llm.build_llm reads it
     args.drafter_options = drafter_options(args, check=args.speculative == "consensus")
     if args.drafter_options and args.speculative != "consensus":
@@ -140,7 +148,8 @@ def trace_line(problem, prompt: str, output, meta: dict, logprobs: bool) -> dict
     comps = list(output.outputs)
     line = dict(id=problem.id, prompt=prompt, completions=[c.text for c in comps],
                 answer=problem.gold, model=meta["model"], temperature=meta["temperature"],
-                source=f"python -m evals record --dataset {meta['dataset']}",
+                source=f"python -m evals record --dataset {meta['dataset']}"
+                       + (f" --fewshot {meta['fewshot']}" if meta.get("fewshot") else ""),
                 gold=problem.gold, answers=[extract_answer(c.text) for c in comps],
                 prompt_ids=list(output.prompt_token_ids),
                 completion_ids=[list(c.token_ids) for c in comps])
@@ -152,7 +161,7 @@ def trace_line(problem, prompt: str, output, meta: dict, logprobs: bool) -> dict
     return line
 
 
-def record(args, problems, meta: dict, done: set[str]) -> dict:
+def record(args, problems, meta: dict, done: set[str], shots=()) -> dict:
     from tqdm import tqdm
     from vllm import SamplingParams
 
@@ -177,7 +186,7 @@ def record(args, problems, meta: dict, done: set[str]) -> dict:
                      unit="problem", file=sys.stderr, dynamic_ncols=True) as bar:
             for i in range(0, len(todo), args.batch_size):
                 batch = todo[i:i + args.batch_size]
-                prompts = [build_prompt(p, tokenizer) for p in batch]
+                prompts = [build_prompt(p, tokenizer, shots) for p in batch]
                 outputs = llm.generate(prompts, params, use_tqdm=False)
                 text = "".join(json.dumps(trace_line(p, q, o, meta, args.logprobs),
                                           separators=(",", ":")) + "\n"
@@ -203,17 +212,32 @@ def record(args, problems, meta: dict, done: set[str]) -> dict:
     return stats
 
 
+def load_shots(k: int | None) -> list[tuple[str, str]]:
+    """``--fewshot``'s (question, worked answer) pairs; UsageError if they
+    cannot be read."""
+    if not k:
+        return []
+    from .prompts import FewShotError, fewshot_examples
+    try:
+        return fewshot_examples(k)
+    except FewShotError as e:
+        raise UsageError(str(e)) from None
+
+
 def main(argv=None) -> int:
     try:
         args = parse_args(argv)
         name = model_name(args.model)
         problems = load_run(args)
+        shots = load_shots(args.fewshot)
         check_dependencies([args.speculative])
         meta = dict(model=name, dataset=args.dataset, n=args.n, temperature=args.temperature,
                     top_p=args.top_p, max_tokens=max_tokens(args, problems),
                     seed=args.seed, logprobs=args.logprobs, speculative=args.speculative,
                     speculative_options=args.drafter_options, k=args.k,
                     dtype=args.dtype, **versions())
+        if args.fewshot:  # only then: files recorded before --fewshot resume as they were
+            meta["fewshot"] = args.fewshot
         done, old_meta = read_recorded(args.out, log=lambda m: print(m, file=sys.stderr))
         check_resume(args.out, old_meta, meta)
     except UsageError as e:
@@ -227,7 +251,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
     engine_env(args.verbose)  # as the math eval: one process on CPU
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    stats = record(args, problems, meta, done)
+    stats = record(args, problems, meta, done, shots)
     rate = stats["tokens"] / stats["generate_s"] if stats.get("generate_s") else 0.0
     print(f"wrote {stats['problems']} problems ({stats['samples']} samples, {stats['tokens']} tokens, "
           f"{rate:.0f} tokens/s; engine start {stats['startup_s']} s) to {args.out}")
