@@ -34,7 +34,8 @@ from dataclasses import replace
 
 from ..options import (UsageError, add_option_arg, add_trace_args, fail, parse_early_stop, parse_options,
                        trace_sets, write_results)
-from ..replay.bench import CpuTimed, add_table_args, load_tables
+from ..replay.bench import CpuTimed
+from ..replay.projection import add_table_args, load_tables
 from ..replay.drafters import make_drafter
 from ..replay.engine import replay
 from ..replay.projection import run_ms

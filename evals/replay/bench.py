@@ -23,9 +23,8 @@ from ..traces import max_len
 from .device_drafters import device_us_per_row
 from .drafters import DEVICE_METHODS, make_drafter, schedule_lookup
 from .engine import Queued, VirtualClock, replay
-from .projection import DEFAULT_COSTS, HostTime, StepCosts, break_even_host_ms, for_run, run_ms
+from .projection import HostTime, StepCosts, break_even_host_ms, for_run, run_ms
 
-DEFAULT_HOST_TIME = "results/host_time.jsonl"
 MIN_STEADY_STEPS = 20  # steady steps a projection at that batch size needs (else: every step)
 TAIL_SHARE = 0.9  # --admission fixed: the tail starts when a batch has this share of its tokens
 
@@ -316,18 +315,6 @@ class Bench:
                 "suffix_options": suffix_options}
 
 
-def pair_runs(results: list[dict]) -> list[dict]:
-    """Each row's ``run_speedup``: no drafting's whole projected run over its
-    own, the same trace set and batch size (every step, the drain included)."""
-    none = {(r["traces"], r["batch"]): r["run_ms"] for r in results
-            if r["method"] == "none" and r.get("run_ms")}
-    for r in results:
-        base = none.get((r["traces"], r["batch"]))
-        if base and r.get("run_ms"):
-            r["run_speedup"] = base / r["run_ms"]
-    return results
-
-
 def batches_of(problems, rows: int, group: int | None):
     """(problems cut to G paths each, G, [[problem index, ...] per batch])."""
     g = group or min(len(p.completions) for p in problems)
@@ -336,39 +323,3 @@ def batches_of(problems, rows: int, group: int | None):
     cut = [dataclasses.replace(p, completions=p.completions[:g]) for p in problems]
     per = rows // g
     return cut, g, [list(range(i, i + per)) for i in range(0, len(cut) - per + 1, per)]
-
-
-def add_table_args(ap) -> None:
-    """``--costs`` and ``--host-time``: the tables :func:`load_tables` reads."""
-    ap.add_argument("--costs", default=DEFAULT_COSTS, help="step-cost table ({\"B\", \"q\", \"ms\"} JSONL)")
-    ap.add_argument("--host-time", default=DEFAULT_HOST_TIME,
-                    help="host ms per step by batch size ({\"B\", \"host_ms\"} JSONL from "
-                         "`python -m evals host-time`) for the async-aware projection; "
-                         "'none' to leave that view out")
-
-
-def load_tables(args, quiet: bool = False) -> tuple[StepCosts | None, HostTime | None]:
-    """The step-cost table and the host-time table (None where not given).
-    Without ../shared, the default table falls back to the budget's own H200
-    model on that table's grid (a fit to it: mean error 3%), so a clone
-    still projects."""
-    costs = StepCosts.load(args.costs) if args.costs and os.path.exists(args.costs) else None
-    if costs is None and args.costs == DEFAULT_COSTS:
-        costs = StepCosts.from_model("h200_7b")
-        if not quiet:
-            print(f"note: no measured table at {args.costs}; projecting on the budget's H200 "
-                  "model (consensus_spec.budget.COST_MODELS['h200_7b'], fitted to it)",
-                  file=sys.stderr)
-    scale = getattr(args, "costs_slope_scale", 1.0)  # waves and dp-replay share this
-    if costs is not None and scale != 1.0:
-        costs = costs.with_slope_scale(scale)
-    host = None
-    if args.host_time and args.host_time != "none":
-        if os.path.exists(args.host_time):
-            host = HostTime.load(args.host_time)
-        elif args.host_time != DEFAULT_HOST_TIME:
-            raise FileNotFoundError(f"host-time table not found: {args.host_time}")
-        elif not quiet:
-            print(f"note: no host-time table at {args.host_time} (python -m evals host-time); "
-                  "the async-aware view is left out", file=sys.stderr)
-    return costs, host

@@ -26,6 +26,7 @@ import atexit
 import json
 import os
 import shutil
+import sys
 import tempfile
 import zlib
 
@@ -36,6 +37,7 @@ from .drafters import MACHINE, name_machine, stand_in_config
 
 # the measured H200 table (../shared); a clone without it projects on the budget's model of it
 DEFAULT_COSTS = shared_path("costs", "h200_qwen2.5-7b_step_ms.jsonl")
+DEFAULT_HOST_TIME = "results/host_time.jsonl"
 # The same measurement at 256 and 512 rows, beyond the shared table's 128, made by this
 # project (python -m evals gpu-step-costs, issue 50; at 64 and 128 rows it read 0.87-1.08
 # of the shared table's GEMM time for the 7B shape, 0.75-0.88 for the 1.5B): a table of
@@ -218,6 +220,54 @@ def run_ms(costs: StepCosts, step_rows, step_drafted, drafter_ms=None,
             t = max(t, h) if hide_host else t + h
         total += t
     return total
+
+
+def add_table_args(ap) -> None:
+    """``--costs`` and ``--host-time``: the tables :func:`load_tables` reads."""
+    ap.add_argument("--costs", default=DEFAULT_COSTS, help="step-cost table ({\"B\", \"q\", \"ms\"} JSONL)")
+    ap.add_argument("--host-time", default=DEFAULT_HOST_TIME,
+                    help="host ms per step by batch size ({\"B\", \"host_ms\"} JSONL from "
+                         "`python -m evals host-time`) for the async-aware projection; "
+                         "'none' to leave that view out")
+
+
+def load_tables(args, quiet: bool = False) -> tuple[StepCosts | None, HostTime | None]:
+    """The step-cost table and the host-time table (None where not given).
+    Without ../shared, the default table falls back to the budget's own H200
+    model on that table's grid (a fit to it: mean error 3%), so a clone
+    still projects."""
+    costs = StepCosts.load(args.costs) if args.costs and os.path.exists(args.costs) else None
+    if costs is None and args.costs == DEFAULT_COSTS:
+        costs = StepCosts.from_model("h200_7b")
+        if not quiet:
+            print(f"note: no measured table at {args.costs}; projecting on the budget's H200 "
+                  "model (consensus_spec.budget.COST_MODELS['h200_7b'], fitted to it)",
+                  file=sys.stderr)
+    scale = getattr(args, "costs_slope_scale", 1.0)  # waves and dp-replay share this
+    if costs is not None and scale != 1.0:
+        costs = costs.with_slope_scale(scale)
+    host = None
+    if args.host_time and args.host_time != "none":
+        if os.path.exists(args.host_time):
+            host = HostTime.load(args.host_time)
+        elif args.host_time != DEFAULT_HOST_TIME:
+            raise FileNotFoundError(f"host-time table not found: {args.host_time}")
+        elif not quiet:
+            print(f"note: no host-time table at {args.host_time} (python -m evals host-time); "
+                  "the async-aware view is left out", file=sys.stderr)
+    return costs, host
+
+
+def pair_runs(results: list[dict]) -> list[dict]:
+    """Each row's ``run_speedup``: no drafting's whole projected run over its
+    own, the same trace set and batch size (every step, the drain included)."""
+    none = {(r["traces"], r["batch"]): r["run_ms"] for r in results
+            if r["method"] == "none" and r.get("run_ms")}
+    for r in results:
+        base = none.get((r["traces"], r["batch"]))
+        if base and r.get("run_ms"):
+            r["run_speedup"] = base / r["run_ms"]
+    return results
 
 
 # -- the start-up profile emulated (replay --startup-profile, --save-costs, --costs-from), as

@@ -27,7 +27,8 @@ import json
 from ..machine import loop_line, python_loop_ns
 from ..options import add_option_arg, add_trace_args, fail, trace_sets, write_results
 from ..traces import TraceError, load_problems, load_tokenizer
-from .bench import Bench, add_table_args, load_tables, pair_runs, pick_schedule
+from .bench import Bench, pick_schedule
+from .projection import add_table_args, load_tables, pair_runs
 from .drafters import DEVICE_METHODS, METHODS, SCHEDULABLE
 from .report import fixed_markdown, markdown, sweep_markdown, targets
 
