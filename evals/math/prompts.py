@@ -22,6 +22,8 @@ import re
 
 from consensus_spec.model.synthetic import format_prompt
 
+from .datasets import SHARED_MATH, gold_answer
+
 MATH_INSTRUCTION = (
     "Solve the following math problem. Reason step by step, and put your final answer "
     "within \\boxed{}."
@@ -33,15 +35,12 @@ class FewShotError(ValueError):
 
 
 def fewshot_file() -> str:
-    from .datasets import SHARED_MATH
     return os.path.join(SHARED_MATH, "gsm8k_train.jsonl")
 
 
 def worked_answer(answer: str) -> str:
     """A GSM8K ``answer`` in the prompts' answer format: the reasoning
     without its ``<<calc>>`` notes, then ``The answer is \\boxed{N}.``"""
-    from .datasets import gold_answer
-
     if "####" not in answer:
         raise FewShotError(f"not a GSM8K answer (no '#### N' line): {answer[:60]!r}")
     steps = re.sub(r"<<[^>]*>>", "", answer.rsplit("####", 1)[0]).strip()

@@ -123,10 +123,10 @@ class Bench:
         steps (or saved before they were kept) use every step;
         ``projected_over`` says which."""
         b = row["batch"]
-        full = row.get("steady") or {}
-        if full.get("steps", 0) >= MIN_STEADY_STEPS:
-            tau, d, c, row["projected_over"] = (full["tau"], full["drafts_per_step"],
-                                                full["cpu_us_per_row"], "steady steps")
+        steady = row.get("steady") or {}
+        if steady.get("steps", 0) >= MIN_STEADY_STEPS:
+            tau, d, c, row["projected_over"] = (steady["tau"], steady["drafts_per_step"],
+                                                steady["cpu_us_per_row"], "steady steps")
         else:
             tau, d, c, row["projected_over"] = (row["tau"], row["drafts_per_step"],
                                                 row["cpu_us_per_row"], "all steps")

@@ -32,9 +32,9 @@ def cell(runs: list[dict], async_view: bool, bold: bool = False) -> str:
     text = f"**{mean('speedup'):.2f}**" if bold else f"{mean('speedup'):.2f}"
     if async_view:
         text += f" / {mean('speedup_async'):.2f}"
-    full = runs[0].get("projected_over") == "steady steps"
-    tau = sum((r["steady"]["tau"] if full else r["tau"]) for r in runs) / len(runs)
-    notes = [f"τ {tau:.2f}" + ("" if full else ", all steps")]
+    steady = runs[0].get("projected_over") == "steady steps"
+    tau = sum((r["steady"]["tau"] if steady else r["tau"]) for r in runs) / len(runs)
+    notes = [f"τ {tau:.2f}" + ("" if steady else ", all steps")]
     if all("run_speedup" in r for r in runs) and runs[0]["method"] != "none":
         notes.append(f"run {mean('run_speedup'):.2f}")
     if runs[0].get("k_at_batch") is not None:
