@@ -104,6 +104,17 @@ def test_stop_from_outside_ends_a_problem_as_a_settled_vote_does():
     assert plan.stop(5) == ([], [])  # not a problem of this run
 
 
+def test_progress_reads_a_running_problems_paths_until_it_is_done():
+    plan = PathPlanner(2, n=4, schedule=Schedule(waves=(3, REST), capacity=3))
+    assert plan.progress(0) is None  # not admitted
+    assert plan.admit() == [(0, 0), (0, 1), (0, 2)]
+    assert plan.on_finish(0, 1, "7") == ([(1, 0)], [])  # the freed row goes to problem 1
+    now = plan.progress(0)
+    assert (now.finished, now.answers, now.running, now.not_started) == ([1], ["7"], [0, 2], 1)
+    plan.stop(0)
+    assert plan.progress(0) is None  # stopped: nothing running
+
+
 def test_unbounded_capacity_sends_every_opened_wave_at_once():
     plan = PathPlanner(2, n=3)  # default schedule: all at once
     assert plan.admit() == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]

@@ -18,7 +18,7 @@ import bisect
 import heapq
 import itertools
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 __all__ = ["ALL_AT_ONCE", "DEFAULT_WAVES", "REST", "PathPlanner", "Schedule"]
 
@@ -143,6 +143,15 @@ class Schedule:
 ALL_AT_ONCE = Schedule(waves=(REST,))
 
 StopCheck = Callable[[int, list, int], bool]
+
+
+class Progress(NamedTuple):
+    """A running problem's paths (:meth:`PathPlanner.progress`)."""
+
+    finished: list[int]
+    answers: list[Any]
+    running: list[int]
+    not_started: int
 
 
 class _Problem:
@@ -375,6 +384,19 @@ class PathPlanner:
         """Problem ``p`` has its final vote: all paths finished or stopped."""
         st = self.problems.get(p)
         return st is not None and (p in self.stopped or len(st.answers) == self.n)
+
+    def progress(self, p: int) -> "Progress | None":
+        """Problem ``p``'s started paths while it still runs: the finished
+        ones with their answers (in path order; paths start in path order,
+        so started paths are a prefix), the running ones, and how many are
+        not started.  None once it is done, stopped or not admitted, or when
+        it has no running path."""
+        st = self.problems.get(p)
+        if st is None or self.done(p) or not st.inflight:
+            return None
+        finished = [k for k in range(st.next_path) if k in st.by_path]
+        return Progress(finished, [st.by_path[k] for k in finished], sorted(st.inflight),
+                        self.n - st.next_path)
 
     @property
     def all_done(self) -> bool:

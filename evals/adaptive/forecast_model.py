@@ -243,19 +243,14 @@ def vote_running(planner, p: int, check: Callable[[list, list, list, int], bool]
     :class:`~consensus_spec.sampling.waves.PathPlanner`) that counts the
     paths still running: ``check(paths, answers, running, remaining)`` is
     asked with the started paths that finished and their answers (in path
-    order), the running paths and the number not started; if it says stop,
-    the problem stops as after a finished path's vote.  Paths start in path
-    order, so the started paths are a prefix, whichever of them finished
-    first.  Returns (paths to submit, paths to abort).  The library keeps
-    no hook for it: this reads the planner's per-problem state and stops
-    the problem with :meth:`PathPlanner.stop` (tests/test_forecast.py
-    checks it against the planner)."""
-    st = planner.problems.get(p)
-    if st is None or p in planner.stopped or len(st.answers) == planner.n or not st.inflight \
-            or planner.stop_check is None:
+    order), the running paths and the number not started
+    (:meth:`PathPlanner.progress`); if it says stop, the problem stops as
+    after a finished path's vote (:meth:`PathPlanner.stop`).  Returns
+    (paths to submit, paths to abort)."""
+    now = planner.progress(p)
+    if now is None or planner.stop_check is None:
         return [], []
-    paths = [k for k in range(st.next_path) if k in st.by_path]
-    if check(paths, [st.by_path[k] for k in paths], sorted(st.inflight), planner.n - st.next_path):
+    if check(now.finished, now.answers, now.running, now.not_started):
         return planner.stop(p)
     return [], []
 
