@@ -28,6 +28,7 @@ TIMEOUT_S = 300.0  # one good request, under a burst of 12 on two cores
 BAD_TIMEOUT_S = 60.0
 POLL_S = 0.05
 END_WAIT_S = 10.0  # how long a hang-up's run is waited for (the target is 1 s)
+SERIAL_TRIES = 3  # one-at-a-time hang-ups: sends of a run that ends before it is seen
 
 
 def send(base_url: str, item: Item, check_hangups: bool) -> dict:
@@ -182,16 +183,23 @@ def serial_hangup(base_url: str, item: Item, endpoint: bool) -> dict:
     import requests
 
     before = wait_idle(base_url, endpoint)
-    rid = f"soak-serial-{uuid.uuid4().hex[:8]}"
     if item.route.startswith(ROUTE):
         host, port = base_url.split("//")[1].split(":")
-        with socket.create_connection((host, int(port)), timeout=10) as sock:
-            sock.sendall(_request_bytes(item.route, item.body, rid))
-            deadline, ran = time.monotonic() + 30.0, False
-            while not ran and time.monotonic() < deadline:
-                ran = endpoint_state(base_url, rid)["requests_active"] > 0
-                time.sleep(POLL_S)
-            time.sleep(0.1)
+        stream = bool(item.body.get("stream"))
+        for _ in range(SERIAL_TRIES):  # a run answered before a poll saw it is sent again
+            rid = f"soak-serial-{uuid.uuid4().hex[:8]}"
+            with socket.create_connection((host, int(port)), timeout=10) as sock:
+                sock.sendall(_request_bytes(item.route, item.body, rid))
+                deadline, ran, answered = time.monotonic() + 30.0, False, False
+                while not ran and not answered and time.monotonic() < deadline:
+                    ran = endpoint_state(base_url, rid)["requests_active"] > 0
+                    answered = not ran and _answered(_received(sock), stream)
+                    time.sleep(POLL_S)
+                if ran:
+                    time.sleep(0.1)
+            if ran:
+                break
+            wait_idle(base_url, endpoint)
     else:
         with requests.post(base_url + item.route, json={**item.body, "stream": True},
                            stream=True, timeout=TIMEOUT_S) as r:
