@@ -165,7 +165,9 @@ def test_an_ordinary_step_in_one_call_equals_its_parts():
                 a, c1, c2, drafter = s[THETA], s[THETA + 1], s[THETA + 2], s[DRAFTER]
                 inc1 = costs._prior_at(batch, 1)[1][1]
                 extra = max(1.0 - b._shade, 0.0) * max(c1 / batch + c2 * inc1, 0.0)
-                assert floor == cal.lowest_estimate_above(batch * extra / (max(a, 1e-3) + drafter))
+                safe = b.safe_floor if b._tight else floor  # a raised floor keeps the safe one
+                assert floor >= safe
+                assert safe == cal.lowest_estimate_above(batch * extra / (max(a, 1e-3) + drafter))
             rows = int(rng.integers(1, batch + 1))
             probs = np.sort(rng.random((rows, 6)), axis=1)[:, ::-1].copy()
             lengths = rng.integers(0, 7, rows).astype(np.int32)
@@ -178,3 +180,63 @@ def test_an_ordinary_step_in_one_call_equals_its_parts():
             assert np.array_equal(b(probs, lengths, batch), expected)
             checked += 1
     assert checked > 60 and len(b._table) > 0  # the one-call path ran (its scratch grew)
+
+
+def test_a_raised_floor_cuts_only_walks_the_choice_would_not_keep():
+    """An ordinary step's floor rises to what the last choice at its batch
+    size left unkept; the tokens that floor cuts from the walks change
+    nothing, or the call says to walk again (redraft): never a different
+    choice."""
+    from consensus_spec.budget import DraftBudget
+    from consensus_spec.budget.policy import _choose
+
+    rng = np.random.default_rng(7)
+    b = DraftBudget(cost_model("h200_7b"), online=True)
+    b.guard = None  # drafting stays on: the guard is not what this checks
+    for step in range(300):  # draft tokens cheap up to 40 a step, dear beyond
+        d = step % 80
+        b.observe_step(64, d, 6.0 + 0.01 * d + 0.1 * max(d - 40, 0) + rng.normal(0, 0.05), 0.05)
+        probs = np.cumprod(rng.uniform(0.6, 1.0, (64, 8)) ** 2, axis=1)
+        sent = rng.integers(0, 6, 64)
+        ok = rng.random((64, 8)) < probs  # each prefix accepted as often as estimated
+        accepted = np.argmin(np.concatenate([ok, np.zeros((64, 1), bool)], axis=1), axis=1)
+        b.observe(probs, sent, np.minimum(accepted, sent))
+
+    def walk(chances, room, floor):  # a walk stops below the floor or at its room
+        lengths = np.minimum((chances >= floor).sum(axis=1), room).astype(np.int32)
+        return np.where(np.arange(8) < lengths[:, None], chances, 0.0), lengths
+
+    raised = kept_same = 0
+    for step in range(300):
+        floor = b.floor(64)
+        chances = np.cumprod(rng.uniform(0.6, 1.0, (64, 8)) ** 2, axis=1)
+        forced = step % 10 == 9
+        if forced:  # a slack far above this step's: the raised floor cuts too much
+            saved = b._slack[64].copy()
+            b._slack[64, 0] = 1.0
+            floor = b.floor(64)
+        room = rng.integers(0, 9, 64)
+        probs, lengths = walk(chances, room, floor)
+        if b._explore or not b._draft:
+            b(probs, lengths, 64)
+            continue
+        if b._tight == 0.0:
+            b(probs, lengths, 64)
+            continue
+        raised += 1
+        assert floor > b.safe_floor
+        full, full_lengths = walk(chances, room, b.safe_floor)
+        expected = np.empty(64, np.int64)
+        _choose(full, full_lengths, 64, b.step_ms(64, int(full_lengths.sum())), b.calibrator.rate(),
+                expected)
+        out = b(probs, lengths, 64)
+        if not b.redraft:
+            assert np.array_equal(out, expected)
+            kept_same += 1
+        else:  # the proposer walks again at the safe floor and asks once more
+            assert b._slack[64, 1] < saved[1] if forced else True  # it raises less next time
+            assert np.array_equal(b(full, full_lengths, 64), expected) and not b.redraft
+        if forced:
+            b._slack[64] = saved
+    assert raised > 100 and kept_same > 0.7 * raised and b.redrafts >= 20, \
+        (raised, kept_same, b.redrafts)

@@ -43,11 +43,16 @@ def _choose(probs, lengths, batch, step_ms, rate, out):
     """Greedy: keep the most likely remaining draft token while that raises
     (batch + kept probability) / step time, ``step_ms[m]`` with m kept. The
     ratio of a concave gain to a convex cost is unimodal in m, so the first
-    drop is final."""
+    drop is final.
+
+    Returns the choice's slack: a draft token the walk did not reach whose
+    calibrated chance is below it changes nothing (it comes after every
+    kept token and fails where the greedy stopped); -inf when the table
+    ends there."""
     k = probs.shape[1]
     out[:] = 0
     if batch <= 0:
-        return
+        return -np.inf
     head = np.empty(probs.shape[0])  # calibrated chance of each row's next token
     heap = np.empty(probs.shape[0], np.int64)
     size = 0
@@ -61,13 +66,14 @@ def _choose(probs, lengths, batch, step_ms, rate, out):
     gain = float(batch)
     best = gain / step_ms[0]
     kept = 0
+    last = np.inf  # the last kept token's chance
     while size > 0 and kept + 1 < step_ms.shape[0]:
         i = heap[0]
-        kept += 1
-        r = (gain + head[i]) / step_ms[kept]
+        r = (gain + head[i]) / step_ms[kept + 1]
         if r <= best:
             break
-        best, gain = r, gain + head[i]
+        kept += 1
+        best, gain, last = r, gain + head[i], head[i]
         out[i] += 1
         n = out[i]
         if n < min(lengths[i], k):
@@ -76,6 +82,9 @@ def _choose(probs, lengths, batch, step_ms, rate, out):
             size -= 1
             heap[0] = heap[size]
         _sift_down(heap, size, head, 0)
+    if kept + 1 >= step_ms.shape[0]:
+        return -np.inf
+    return min(last, best * step_ms[kept + 1] - gain)
 
 
 @kernel
@@ -102,30 +111,62 @@ def _most_kept(lengths, k):
     return n
 
 
+# A walk need not reach what the choice will not keep. An ordinary step's
+# floor rises to the lowest estimate whose rate beats a share of the last
+# choice's slack at its batch size (see _choose); the choice checks it and
+# says to walk again at the safe floor if the raised one cut too much. The
+# share falls after each such walk and creeps back after each that was not
+# (about one raised step in 40 walks twice).
+TIGHT_START, TIGHT_MIN, TIGHT_DOWN, TIGHT_UP = 0.8, 0.05, 0.7, 1.01
+
+
 @kernel
-def _floor_on_fit(state, b, inc, shade, batch, hits, trials):
-    """:meth:`DraftBudget.floor` with learned costs: the lowest estimate
-    whose calibrated rate beats the first draft token's cost."""
+def _floor_on_fit(state, b, inc, shade, batch, hits, trials, slack):
+    """:meth:`DraftBudget.floor` with learned costs: (the floor, the safe
+    floor, the chance it was raised to or 0). The safe floor is the lowest
+    estimate whose calibrated rate beats the first draft token's cost;
+    ``slack[batch]`` (slack, share; ``shade`` != 0: an exploring step) may
+    raise it."""
     cost = _first_token_cost(state, b, inc, shade, batch)
-    return _lowest_estimate_above(hits, trials, batch * cost)
+    safe = _lowest_estimate_above(hits, trials, batch * cost)
+    if shade != 0.0 or slack[batch, 0] <= 0.0:
+        return safe, safe, 0.0
+    x = slack[batch, 0] * slack[batch, 1]
+    tight = _lowest_estimate_above(hits, trials, x)
+    if tight > safe:
+        return tight, safe, x
+    return safe, safe, 0.0
 
 
 @kernel
-def _choose_on_fit(probs, lengths, batch, state, b, base, inc, hits, trials, out, table, rate):
+def _choose_on_fit(probs, lengths, batch, state, b, base, inc, hits, trials, out, table, rate,
+                   slack, tight):
     """:func:`_choose` on the step times a fit gives (``_table``, the
     drafter's time in, no shade) with the rates ``hits / trials``: an
     ordinary step of :meth:`DraftBudget.__call__` in one call (``table``
-    and ``rate``: scratch). Returns the most tokens it could keep (< 0:
-    nothing done)."""
+    and ``rate``: scratch). ``tight``: the chance the walks' floor was
+    raised to (0: not raised); ``slack[batch]`` is updated. Returns the
+    most tokens it could keep (< 0: nothing done) and whether the walks
+    must be made again at the safe floor."""
     tokens = _most_kept(lengths, probs.shape[1])
     if tokens < 0 or tokens >= table.shape[0] or tokens >= inc.shape[0]:
-        return -1
+        return -1, tight > 0.0
     for i in range(hits.shape[0]):
         rate[i] = hits[i] / trials[i]
-    step_ms = table[:tokens + 1]
+    # one entry past the most it can keep: the slack of keeping them all
+    step_ms = table[:min(tokens + 2, table.shape[0], inc.shape[0])]
     _table(state, b, base, inc, batch, 0.0, True, step_ms)
-    _choose(probs, lengths, batch, step_ms, rate, out)
-    return tokens
+    s = _choose(probs, lengths, batch, step_ms, rate, out)
+    # the tokens a raised floor cut have chances below `tight`: the same
+    # choice if that is under the slack, else walk again
+    again = tight > 0.0 and not tight < s * (1.0 - 1e-9)
+    if again:
+        slack[batch, 1] = max(TIGHT_MIN, slack[batch, 1] * TIGHT_DOWN)
+    else:
+        slack[batch, 0] = s
+        if tight > 0.0:
+            slack[batch, 1] = min(TIGHT_START, slack[batch, 1] * TIGHT_UP)
+    return tokens, again
 
 
 EXPLORE_LOSS = 0.01  # an exploring step may cost at most this share of its expected yield
@@ -167,7 +208,8 @@ class DraftBudget:
     size, and a calibrator learning from what the verifier accepted.
 
     Per step: :meth:`floor` (which also decides whether this step explores
-    the cost of draft tokens), then the call that keeps draft lengths, then
+    the cost of draft tokens), then the call that keeps draft lengths (once
+    more on walks made again at ``safe_floor`` if it set ``redraft``), then
     :meth:`observe` and, with online costs, :meth:`observe_step`."""
 
     def __init__(self, model: StepCostModel, calibrator: "AcceptanceCalibrator | None" = None,
@@ -194,6 +236,13 @@ class DraftBudget:
         self._shade = 0.0
         self._table = np.empty(0)  # scratch of ordinary steps (_choose_on_fit)
         self._rate = np.empty(self.calibrator.bins)
+        # per batch size (as many rows as the engine has): the last choice's
+        # slack and the share of it a raised floor takes (_floor_on_fit)
+        self._slack = np.zeros((0, 2))
+        self._tight = 0.0  # the chance this step's floor was raised to (0: not raised)
+        self.safe_floor = 0.0
+        self.redraft = False
+        self.steps_tight, self.redrafts = 0, 0
 
     @property
     def cached_batches(self) -> int:
@@ -219,7 +268,11 @@ class DraftBudget:
         rises), and every estimate below the returned value calibrates to
         less than that cost. Call once per step, before drafting: it also
         decides whether the step explores (then the floor is the lower
-        bound's, which lets either bound's drafts through)."""
+        bound's, which lets either bound's drafts through). With learned
+        costs an ordinary step's floor may be raised above that safe one
+        (``safe_floor``) from the last choice at this batch size; the call
+        that keeps lengths then sets ``redraft`` if the walks must be made
+        again at ``safe_floor`` for the same choice."""
         guard, costs = self.guard, self.costs
         self._draft = guard is None or guard.drafts(batch)
         if not self._draft:
@@ -233,12 +286,21 @@ class DraftBudget:
         self._explore = shade > 0.0
         state, b, _, inc = costs.fit_inputs(batch, 1)
         hits, trials = self.calibrator.counts()
-        return _floor_on_fit(state, b, inc, -shade, batch, hits, trials)
+        if batch >= len(self._slack):
+            grown = np.zeros((2 * batch + 1, 2))
+            grown[:, 1] = TIGHT_START
+            grown[:len(self._slack)] = self._slack
+            self._slack = grown
+        floor, self.safe_floor, self._tight = _floor_on_fit(state, b, inc, -shade, batch, hits,
+                                                            trials, self._slack)
+        self.steps_tight += self._tight > 0.0
+        return floor
 
     def __call__(self, probs: np.ndarray, lengths: np.ndarray, batch: int) -> np.ndarray:
         """:func:`choose_lengths` with this budget's model and calibration;
         on an exploring step, a bound's choice where the bounds differ."""
         out = np.empty(len(lengths), np.int64)
+        tight, self._tight, self.redraft = self._tight, 0.0, False
         if not self._draft:
             out[:] = 0
             return out
@@ -247,11 +309,19 @@ class DraftBudget:
             most = len(lengths) * probs.shape[1]
             state, b, base, inc = costs.fit_inputs(batch, most)
             if len(self._table) <= most:
-                self._table = np.empty(2 * most + 1)
+                self._table = np.empty(2 * most + 2)
             hits, trials = self.calibrator.counts()
-            if _choose_on_fit(probs, lengths, batch, state, b, base, inc, hits, trials,
-                              out, self._table, self._rate) >= 0:
+            tokens, self.redraft = _choose_on_fit(probs, lengths, batch, state, b, base, inc, hits,
+                                                  trials, out, self._table, self._rate,
+                                                  self._slack, tight)
+            if tokens >= 0:
+                self.redrafts += self.redraft
                 return out
+        if tight > 0.0:  # not an ordinary choice after all: walk again at the safe floor
+            self.redraft = True
+            self.redrafts += 1
+            out[:] = 0
+            return out
         rate = self.calibrator.rate()
         tokens = int(_most_kept(lengths, probs.shape[1] if probs.ndim == 2 else 0))
         _choose(probs, lengths, batch, self.step_ms(batch, tokens), rate, out)

@@ -160,9 +160,10 @@ class ConsensusDrafter(PathRegistry):
             self._cursor[ids] = self.forest.extend_rows(self._cursor[ids], buffer, rows, begins, ends)
         self._retrying(extend)
 
-    def draft(self, paths, max_tokens):
+    def draft(self, paths, max_tokens, min_prob=None):
         """Most likely continuation of each path, at most ``max_tokens[i]``
-        long, and the estimated chance that each prefix is accepted.
+        long, and the estimated chance that each prefix is accepted
+        (``min_prob`` raises the options' one for this call).
 
         Returns ``(tokens, probs, lengths)``: (R, k) arrays, row i valid up to
         ``lengths[i]``. Each token comes from whichever source (siblings, or
@@ -176,8 +177,9 @@ class ConsensusDrafter(PathRegistry):
         max_tokens = np.asarray(max_tokens, np.int32).reshape(len(paths))
         k = int(max_tokens.max(initial=0))
         cursor = self._cursor[paths]
+        floor = o.min_prob if min_prob is None else max(o.min_prob, min_prob)
         return self.forest.draft_many(cursor[:, 0], cursor[:, 1], o.cross_group_weight,
-                                      max_tokens, k, o.min_prob, o.min_match, o.prior)
+                                      max_tokens, k, floor, o.min_match, o.prior)
 
     def extend_and_draft(self, paths, buffer, rows, begins, ends, max_tokens, min_prob=None):
         """:meth:`extend_from` then :meth:`draft`, in one compiled call (every

@@ -261,6 +261,9 @@ class ConsensusProposer:
             step.paths, token_ids_cpu, step.rows, step.begins, step.ends, room, floor)
         if self.budget is not None:
             lengths = self.budget(probs, lengths, num_rows)
+            if self.budget.redraft:  # its raised floor cut walks the choice needed
+                tokens, probs, lengths = self.drafter.draft(step.paths, room, self.budget.safe_floor)
+                lengths = self.budget(probs, lengths, num_rows)
         else:
             lengths = lengths.astype(np.int64)  # the drafter's buffer is reused next step
         self._sent = (step.rows, step.paths, probs, lengths)
@@ -397,6 +400,8 @@ class ConsensusProposer:
                 "step_costs_by_rows": costs.learned(),
                 "guard": self.budget.guard.summary(),
                 "learning_cost": self.budget.learning_cost(),
+                # steps whose walks stopped at a raised floor, and of those walked again
+                "floor_raised_steps": self.budget.steps_tight, "walked_again": self.budget.redrafts,
                 "step_costs_file": self._memory.path if self._memory is not None else None}
 
     def save_step_costs(self) -> str | None:
