@@ -182,18 +182,19 @@ def test_an_ordinary_step_in_one_call_equals_its_parts():
     assert checked > 60 and len(b._table) > 0  # the one-call path ran (its scratch grew)
 
 
-def test_a_raised_floor_cuts_only_walks_the_choice_would_not_keep():
+@pytest.mark.parametrize("online", [True, False])
+def test_a_raised_floor_cuts_only_walks_the_choice_would_not_keep(online):
     """An ordinary step's floor rises to what the last choice at its batch
     size left unkept; the tokens that floor cuts from the walks change
     nothing, or the call says to walk again (redraft): never a different
-    choice."""
+    choice. With learned step costs and with a fixed cost model."""
     from consensus_spec.budget import DraftBudget
     from consensus_spec.budget.policy import _choose
 
     rng = np.random.default_rng(7)
-    b = DraftBudget(cost_model("h200_7b"), online=True)
+    b = DraftBudget(cost_model("h200_7b"), online=online)
     b.guard = None  # drafting stays on: the guard is not what this checks
-    for step in range(300):  # draft tokens cheap up to 40 a step, dear beyond
+    for step in range(300):  # learned: draft tokens cheap up to 40 a step, dear beyond
         d = step % 80
         b.observe_step(64, d, 6.0 + 0.01 * d + 0.1 * max(d - 40, 0) + rng.normal(0, 0.05), 0.05)
         probs = np.cumprod(rng.uniform(0.6, 1.0, (64, 8)) ** 2, axis=1)

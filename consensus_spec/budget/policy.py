@@ -121,21 +121,62 @@ TIGHT_START, TIGHT_MIN, TIGHT_DOWN, TIGHT_UP = 0.8, 0.05, 0.7, 1.01
 
 
 @kernel
-def _floor_on_fit(state, b, inc, shade, batch, hits, trials, slack):
-    """:meth:`DraftBudget.floor` with learned costs: (the floor, the safe
-    floor, the chance it was raised to or 0). The safe floor is the lowest
-    estimate whose calibrated rate beats the first draft token's cost;
-    ``slack[batch]`` (slack, share; ``shade`` != 0: an exploring step) may
-    raise it."""
-    cost = _first_token_cost(state, b, inc, shade, batch)
-    safe = _lowest_estimate_above(hits, trials, batch * cost)
-    if shade != 0.0 or slack[batch, 0] <= 0.0:
-        return safe, safe, 0.0
+def _raise(hits, trials, slack, batch, safe):
+    """(the floor, the chance it was raised to or 0): ``safe`` raised to
+    the lowest estimate whose rate beats ``slack[batch]``'s share of its
+    slack, if that is higher."""
+    if slack[batch, 0] <= 0.0:
+        return safe, 0.0
     x = slack[batch, 0] * slack[batch, 1]
     tight = _lowest_estimate_above(hits, trials, x)
     if tight > safe:
-        return tight, safe, x
-    return safe, safe, 0.0
+        return tight, x
+    return safe, 0.0
+
+
+@kernel
+def _settle(slack, batch, tight, s):
+    """After a choice of slack ``s`` on walks whose floor was raised to
+    ``tight`` (0: not raised): whether they must be walked again at the
+    safe floor (the tokens it cut have chances below ``tight``: the same
+    choice if that is under the slack); ``slack[batch]`` learns from it."""
+    again = tight > 0.0 and not tight < s * (1.0 - 1e-9)
+    if again:
+        slack[batch, 1] = max(TIGHT_MIN, slack[batch, 1] * TIGHT_DOWN)
+    else:
+        slack[batch, 0] = s
+        if tight > 0.0:
+            slack[batch, 1] = min(TIGHT_START, slack[batch, 1] * TIGHT_UP)
+    return again
+
+
+@kernel
+def _floor_fixed(hits, trials, cost, slack, batch):
+    """:meth:`DraftBudget.floor` with a fixed cost model, ``cost`` its
+    first draft token's: as :func:`_floor_on_fit`."""
+    safe = _lowest_estimate_above(hits, trials, cost)
+    floor, x = _raise(hits, trials, slack, batch, safe)
+    return floor, safe, x
+
+
+@kernel
+def _choose_settled(probs, lengths, batch, step_ms, rate, out, slack, tight):
+    """:func:`_choose`, then :func:`_settle`: whether to walk again."""
+    return _settle(slack, batch, tight, _choose(probs, lengths, batch, step_ms, rate, out))
+
+
+@kernel
+def _floor_on_fit(state, b, inc, shade, batch, hits, trials, slack):
+    """:meth:`DraftBudget.floor` with learned costs: (the floor, the safe
+    floor, the chance it was raised to or 0). The safe floor is the lowest
+    estimate whose calibrated rate beats the first draft token's cost; an
+    ordinary step's (``shade`` 0) may be raised (:func:`_raise`)."""
+    cost = _first_token_cost(state, b, inc, shade, batch)
+    safe = _lowest_estimate_above(hits, trials, batch * cost)
+    if shade != 0.0:
+        return safe, safe, 0.0
+    floor, x = _raise(hits, trials, slack, batch, safe)
+    return floor, safe, x
 
 
 @kernel
@@ -145,9 +186,8 @@ def _choose_on_fit(probs, lengths, batch, state, b, base, inc, hits, trials, out
     drafter's time in, no shade) with the rates ``hits / trials``: an
     ordinary step of :meth:`DraftBudget.__call__` in one call (``table``
     and ``rate``: scratch). ``tight``: the chance the walks' floor was
-    raised to (0: not raised); ``slack[batch]`` is updated. Returns the
-    most tokens it could keep (< 0: nothing done) and whether the walks
-    must be made again at the safe floor."""
+    raised to (0: not raised). Returns the most tokens it could keep (< 0:
+    nothing done) and whether the walks must be made again (:func:`_settle`)."""
     tokens = _most_kept(lengths, probs.shape[1])
     if tokens < 0 or tokens >= table.shape[0] or tokens >= inc.shape[0]:
         return -1, tight > 0.0
@@ -157,16 +197,7 @@ def _choose_on_fit(probs, lengths, batch, state, b, base, inc, hits, trials, out
     step_ms = table[:min(tokens + 2, table.shape[0], inc.shape[0])]
     _table(state, b, base, inc, batch, 0.0, True, step_ms)
     s = _choose(probs, lengths, batch, step_ms, rate, out)
-    # the tokens a raised floor cut have chances below `tight`: the same
-    # choice if that is under the slack, else walk again
-    again = tight > 0.0 and not tight < s * (1.0 - 1e-9)
-    if again:
-        slack[batch, 1] = max(TIGHT_MIN, slack[batch, 1] * TIGHT_DOWN)
-    else:
-        slack[batch, 0] = s
-        if tight > 0.0:
-            slack[batch, 1] = min(TIGHT_START, slack[batch, 1] * TIGHT_UP)
-    return tokens, again
+    return tokens, _settle(slack, batch, tight, s)
 
 
 EXPLORE_LOSS = 0.01  # an exploring step may cost at most this share of its expected yield
@@ -268,8 +299,8 @@ class DraftBudget:
         rises), and every estimate below the returned value calibrates to
         less than that cost. Call once per step, before drafting: it also
         decides whether the step explores (then the floor is the lower
-        bound's, which lets either bound's drafts through). With learned
-        costs an ordinary step's floor may be raised above that safe one
+        bound's, which lets either bound's drafts through). An ordinary
+        step's floor may be raised above that safe one
         (``safe_floor``) from the last choice at this batch size; the call
         that keeps lengths then sets ``redraft`` if the walks must be made
         again at ``safe_floor`` for the same choice."""
@@ -278,21 +309,22 @@ class DraftBudget:
         if not self._draft:
             self._explore = False
             return 1.0  # no estimate reaches it: the drafter walks nothing
-        if costs is None:
-            t = self.step_ms(batch, 1)
-            cost = (t[1] - t[0]) / t[0]
-            return self.calibrator.lowest_estimate_above(batch * cost)
-        self._shade = shade = costs.explore_shade(batch)
-        self._explore = shade > 0.0
-        state, b, _, inc = costs.fit_inputs(batch, 1)
-        hits, trials = self.calibrator.counts()
         if batch >= len(self._slack):
             grown = np.zeros((2 * batch + 1, 2))
             grown[:, 1] = TIGHT_START
             grown[:len(self._slack)] = self._slack
             self._slack = grown
-        floor, self.safe_floor, self._tight = _floor_on_fit(state, b, inc, -shade, batch, hits,
-                                                            trials, self._slack)
+        hits, trials = self.calibrator.counts()
+        if costs is None:
+            t = self.step_ms(batch, 1)
+            floor, self.safe_floor, self._tight = _floor_fixed(
+                hits, trials, batch * (t[1] - t[0]) / t[0], self._slack, batch)
+        else:
+            self._shade = shade = costs.explore_shade(batch)
+            self._explore = shade > 0.0
+            state, b, _, inc = costs.fit_inputs(batch, 1)
+            floor, self.safe_floor, self._tight = _floor_on_fit(state, b, inc, -shade, batch, hits,
+                                                                trials, self._slack)
         self.steps_tight += self._tight > 0.0
         return floor
 
@@ -317,13 +349,18 @@ class DraftBudget:
             if tokens >= 0:
                 self.redrafts += self.redraft
                 return out
-        if tight > 0.0:  # not an ordinary choice after all: walk again at the safe floor
+        if tight > 0.0 and costs is not None:  # not an ordinary choice after all: walk again
             self.redraft = True
             self.redrafts += 1
             out[:] = 0
             return out
         rate = self.calibrator.rate()
         tokens = int(_most_kept(lengths, probs.shape[1] if probs.ndim == 2 else 0))
+        if costs is None:  # a fixed cost model: the same check as an ordinary step's
+            self.redraft = bool(_choose_settled(probs, lengths, batch, self.step_ms(batch, tokens + 1),
+                                                rate, out, self._slack, tight))
+            self.redrafts += self.redraft
+            return out
         _choose(probs, lengths, batch, self.step_ms(batch, tokens), rate, out)
         if self._explore:
             self._explore = False
