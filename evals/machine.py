@@ -1,13 +1,28 @@
 """What machine a timing came from, in figures another machine can be
 compared by: the time of a fixed pure-Python loop (every host-side figure
-here scales with it; :mod:`.measure.python_loop`) and the instruction set
+here scales with it, so figures taken on different machines, or on one
+machine under different load, can be compared) and the instruction set
 numba compiled for (``--isa``: :mod:`.isa`)."""
 
 from __future__ import annotations
 
 import os
+import statistics
+import time
 
-from .measure.python_loop import python_loop_ns  # noqa: F401  (the one yardstick)
+LOOP = 200_000
+
+
+def python_loop_ns(repeats: int = 5) -> float:
+    """Median CPU nanoseconds per iteration of a fixed pure-Python loop."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.process_time_ns()
+        x = 0
+        for i in range(LOOP):
+            x += i & 7
+        times.append((time.process_time_ns() - t0) / LOOP)
+    return statistics.median(times)
 
 
 def describe() -> str:
@@ -26,6 +41,6 @@ def describe() -> str:
 def loop_line(before: float, after: float | None = None) -> str:
     """The figures' Python-loop time as a sentence for a report."""
     span = f"{before:.1f}" + (f" / {after:.1f}" if after is not None else "")
-    return (f"Machine: {describe()}; the Python loop (evals/measure/python_loop.py) took {span} "
+    return (f"Machine: {describe()}; the Python loop (evals/machine.py) took {span} "
             "ns an iteration (CPU time, median of 5" + (", before / after" if after is not None else "")
             + ").")

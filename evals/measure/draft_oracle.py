@@ -27,10 +27,10 @@ import copy
 import statistics
 import sys
 
+from ..machine import python_loop_ns
 from ..math.configs import Parser, UsageError, max_tokens
 from ..math.llm import add_run_args, check_run_args, engine_env, load_run
 from ..options import add_option_arg, fail, parse_options, write_json
-from .python_loop import python_loop_ns
 
 
 def settings(ks: list[int], k: int, options: dict) -> list[tuple[str, str, int, dict]]:
