@@ -165,7 +165,7 @@ def test_an_ordinary_step_in_one_call_equals_its_parts():
                 a, c1, c2, drafter = s[THETA], s[THETA + 1], s[THETA + 2], s[DRAFTER]
                 inc1 = costs._prior_at(batch, 1)[1][1]
                 extra = max(1.0 - b._shade, 0.0) * max(c1 / batch + c2 * inc1, 0.0)
-                safe = b.safe_floor if b._tight else floor  # a raised floor keeps the safe one
+                safe = b.safe_floor if b._raised else floor  # a raised floor keeps the safe one
                 assert floor >= safe
                 assert safe == cal.lowest_estimate_above(batch * extra / (max(a, 1e-3) + drafter))
             rows = int(rng.integers(1, batch + 1))
@@ -221,7 +221,7 @@ def test_a_raised_floor_cuts_only_walks_the_choice_would_not_keep(online):
         if b._explore or not b._draft:
             b(probs, lengths, 64)
             continue
-        if b._tight == 0.0:
+        if b._raised == 0.0:
             b(probs, lengths, 64)
             continue
         raised += 1

@@ -117,36 +117,37 @@ def _most_kept(lengths, k):
 # says to walk again at the safe floor if the raised one cut too much. The
 # share falls after each such walk and creeps back after each that was not
 # (about one raised step in 40 walks twice).
-TIGHT_START, TIGHT_MIN, TIGHT_DOWN, TIGHT_UP = 0.8, 0.05, 0.7, 1.01
+SHARE_START, SHARE_MIN, SHARE_DOWN, SHARE_UP = 0.8, 0.05, 0.7, 1.01
 
 
 @kernel
 def _raise(hits, trials, slack, batch, safe):
-    """(the floor, the chance it was raised to or 0): ``safe`` raised to
+    """(the floor, the chance it was raised for or 0): ``safe`` raised to
     the lowest estimate whose rate beats ``slack[batch]``'s share of its
-    slack, if that is higher."""
+    slack (the chance it was raised for), if that is higher."""
     if slack[batch, 0] <= 0.0:
         return safe, 0.0
     x = slack[batch, 0] * slack[batch, 1]
-    tight = _lowest_estimate_above(hits, trials, x)
-    if tight > safe:
-        return tight, x
+    floor = _lowest_estimate_above(hits, trials, x)
+    if floor > safe:
+        return floor, x
     return safe, 0.0
 
 
 @kernel
-def _settle(slack, batch, tight, s):
-    """After a choice of slack ``s`` on walks whose floor was raised to
-    ``tight`` (0: not raised): whether they must be walked again at the
-    safe floor (the tokens it cut have chances below ``tight``: the same
-    choice if that is under the slack); ``slack[batch]`` learns from it."""
-    again = tight > 0.0 and not tight < s * (1.0 - 1e-9)
+def _settle(slack, batch, raised, s):
+    """After a choice of slack ``s`` on walks whose floor was raised for
+    the chance ``raised`` (0: not raised): whether they must be walked
+    again at the safe floor (the tokens it cut have chances at most
+    ``raised``: the same choice if that is under the slack);
+    ``slack[batch]`` learns from it."""
+    again = raised > 0.0 and not raised < s * (1.0 - 1e-9)
     if again:
-        slack[batch, 1] = max(TIGHT_MIN, slack[batch, 1] * TIGHT_DOWN)
+        slack[batch, 1] = max(SHARE_MIN, slack[batch, 1] * SHARE_DOWN)
     else:
         slack[batch, 0] = s
-        if tight > 0.0:
-            slack[batch, 1] = min(TIGHT_START, slack[batch, 1] * TIGHT_UP)
+        if raised > 0.0:
+            slack[batch, 1] = min(SHARE_START, slack[batch, 1] * SHARE_UP)
     return again
 
 
@@ -160,15 +161,15 @@ def _floor_fixed(hits, trials, cost, slack, batch):
 
 
 @kernel
-def _choose_settled(probs, lengths, batch, step_ms, rate, out, slack, tight):
+def _choose_settled(probs, lengths, batch, step_ms, rate, out, slack, raised):
     """:func:`_choose`, then :func:`_settle`: whether to walk again."""
-    return _settle(slack, batch, tight, _choose(probs, lengths, batch, step_ms, rate, out))
+    return _settle(slack, batch, raised, _choose(probs, lengths, batch, step_ms, rate, out))
 
 
 @kernel
 def _floor_on_fit(state, b, inc, shade, batch, hits, trials, slack):
     """:meth:`DraftBudget.floor` with learned costs: (the floor, the safe
-    floor, the chance it was raised to or 0). The safe floor is the lowest
+    floor, the chance it was raised for or 0). The safe floor is the lowest
     estimate whose calibrated rate beats the first draft token's cost; an
     ordinary step's (``shade`` 0) may be raised (:func:`_raise`)."""
     cost = _first_token_cost(state, b, inc, shade, batch)
@@ -181,23 +182,23 @@ def _floor_on_fit(state, b, inc, shade, batch, hits, trials, slack):
 
 @kernel
 def _choose_on_fit(probs, lengths, batch, state, b, base, inc, hits, trials, out, table, rate,
-                   slack, tight):
+                   slack, raised):
     """:func:`_choose` on the step times a fit gives (``_table``, the
     drafter's time in, no shade) with the rates ``hits / trials``: an
     ordinary step of :meth:`DraftBudget.__call__` in one call (``table``
-    and ``rate``: scratch). ``tight``: the chance the walks' floor was
-    raised to (0: not raised). Returns the most tokens it could keep (< 0:
+    and ``rate``: scratch). ``raised``: the chance the walks' floor was
+    raised for (0: not raised). Returns the most tokens it could keep (< 0:
     nothing done) and whether the walks must be made again (:func:`_settle`)."""
     tokens = _most_kept(lengths, probs.shape[1])
     if tokens < 0 or tokens >= table.shape[0] or tokens >= inc.shape[0]:
-        return -1, tight > 0.0
+        return -1, raised > 0.0
     for i in range(hits.shape[0]):
         rate[i] = hits[i] / trials[i]
     # one entry past the most it can keep: the slack of keeping them all
     step_ms = table[:min(tokens + 2, table.shape[0], inc.shape[0])]
     _table(state, b, base, inc, batch, 0.0, True, step_ms)
     s = _choose(probs, lengths, batch, step_ms, rate, out)
-    return tokens, _settle(slack, batch, tight, s)
+    return tokens, _settle(slack, batch, raised, s)
 
 
 EXPLORE_LOSS = 0.01  # an exploring step may cost at most this share of its expected yield
@@ -270,10 +271,10 @@ class DraftBudget:
         # per batch size (as many rows as the engine has): the last choice's
         # slack and the share of it a raised floor takes (_floor_on_fit)
         self._slack = np.zeros((0, 2))
-        self._tight = 0.0  # the chance this step's floor was raised to (0: not raised)
+        self._raised = 0.0  # the chance this step's floor was raised for (0: not raised)
         self.safe_floor = 0.0
         self.redraft = False
-        self.steps_tight, self.redrafts = 0, 0
+        self.steps_raised, self.redrafts = 0, 0
 
     @property
     def cached_batches(self) -> int:
@@ -307,32 +308,32 @@ class DraftBudget:
         guard, costs = self.guard, self.costs
         self._draft = guard is None or guard.drafts(batch)
         if not self._draft:
-            self._explore = False
+            self._explore, self._raised = False, 0.0
             return 1.0  # no estimate reaches it: the drafter walks nothing
         if batch >= len(self._slack):
             grown = np.zeros((2 * batch + 1, 2))
-            grown[:, 1] = TIGHT_START
+            grown[:, 1] = SHARE_START
             grown[:len(self._slack)] = self._slack
             self._slack = grown
         hits, trials = self.calibrator.counts()
         if costs is None:
             t = self.step_ms(batch, 1)
-            floor, self.safe_floor, self._tight = _floor_fixed(
+            floor, self.safe_floor, self._raised = _floor_fixed(
                 hits, trials, batch * (t[1] - t[0]) / t[0], self._slack, batch)
         else:
             self._shade = shade = costs.explore_shade(batch)
             self._explore = shade > 0.0
             state, b, _, inc = costs.fit_inputs(batch, 1)
-            floor, self.safe_floor, self._tight = _floor_on_fit(state, b, inc, -shade, batch, hits,
+            floor, self.safe_floor, self._raised = _floor_on_fit(state, b, inc, -shade, batch, hits,
                                                                 trials, self._slack)
-        self.steps_tight += self._tight > 0.0
+        self.steps_raised += self._raised > 0.0
         return floor
 
     def __call__(self, probs: np.ndarray, lengths: np.ndarray, batch: int) -> np.ndarray:
         """:func:`choose_lengths` with this budget's model and calibration;
         on an exploring step, a bound's choice where the bounds differ."""
         out = np.empty(len(lengths), np.int64)
-        tight, self._tight, self.redraft = self._tight, 0.0, False
+        raised, self._raised, self.redraft = self._raised, 0.0, False
         if not self._draft:
             out[:] = 0
             return out
@@ -345,11 +346,11 @@ class DraftBudget:
             hits, trials = self.calibrator.counts()
             tokens, self.redraft = _choose_on_fit(probs, lengths, batch, state, b, base, inc, hits,
                                                   trials, out, self._table, self._rate,
-                                                  self._slack, tight)
+                                                  self._slack, raised)
             if tokens >= 0:
                 self.redrafts += self.redraft
                 return out
-        if tight > 0.0 and costs is not None:  # not an ordinary choice after all: walk again
+        if raised > 0.0 and costs is not None:  # no ordinary choice (probs not 2-D): walk again
             self.redraft = True
             self.redrafts += 1
             out[:] = 0
@@ -358,7 +359,7 @@ class DraftBudget:
         tokens = int(_most_kept(lengths, probs.shape[1] if probs.ndim == 2 else 0))
         if costs is None:  # a fixed cost model: the same check as an ordinary step's
             self.redraft = bool(_choose_settled(probs, lengths, batch, self.step_ms(batch, tokens + 1),
-                                                rate, out, self._slack, tight))
+                                                rate, out, self._slack, raised))
             self.redrafts += self.redraft
             return out
         _choose(probs, lengths, batch, self.step_ms(batch, tokens), rate, out)

@@ -401,7 +401,7 @@ class ConsensusProposer:
                 "guard": self.budget.guard.summary(),
                 "learning_cost": self.budget.learning_cost(),
                 # steps whose walks stopped at a raised floor, and of those walked again
-                "floor_raised_steps": self.budget.steps_tight, "walked_again": self.budget.redrafts,
+                "floor_raised_steps": self.budget.steps_raised, "walked_again": self.budget.redrafts,
                 "step_costs_file": self._memory.path if self._memory is not None else None}
 
     def save_step_costs(self) -> str | None:
