@@ -92,6 +92,22 @@ def test_calibrator_learns_that_estimates_run_high():
     assert out[1] <= out[0]
 
 
+def test_a_bin_nothing_lands_in_keeps_its_rate_for_good():
+    """Decay makes the map follow the workload; a bin no sent draft lands
+    in (estimates below every floor) must not decay into the denormals,
+    where its hits and trials round alike and it read as certain (1.0)
+    after about 150,000 sending steps."""
+    from consensus_spec.budget import AcceptanceCalibrator
+
+    cal = AcceptanceCalibrator(bins=20, prior=20.0, decay=0.995)
+    for _ in range(200_000):  # every step sends one sure token: only the top bin sees anything
+        cal.observe(np.array([[0.99]]), np.array([1]), np.array([1]))
+    hits, trials = cal.counts()
+    assert cal.rate()[0] == pytest.approx(0.025) and trials[0] > 0
+    assert np.isfinite(cal.rate()).all() and (trials >= 1e-10).all()
+    assert cal.rate()[-1] == pytest.approx(1.0)
+
+
 def test_greedy_choice_equals_exhaustive_search_over_thresholds():
     rng = np.random.default_rng(1)
     for batch in (4, 16, 128):

@@ -12,6 +12,7 @@ kernel = Kernels(globals())
 
 _ndarray = np.ndarray
 _F64, _I64 = np.dtype(np.float64), np.dtype(np.int64)  # numpy's native dtype objects
+MIN_WEIGHT = 1e-9  # a bin's trials below which it keeps its rate instead of decaying
 
 
 @kernel
@@ -59,8 +60,12 @@ def _observe(probs, sent, accepted, hits, trials, decay):
     if not any_sent:
         return
     for b in range(bins):
-        hits[b] *= decay
-        trials[b] *= decay
+        # a bin nothing lands in stops decaying while its weight is still a
+        # normal float: decayed into the denormals its hits and trials round
+        # to the same few bits (0.025 read as 1.0 after ~150,000 sending steps)
+        if trials[b] > MIN_WEIGHT:
+            hits[b] *= decay
+            trials[b] *= decay
     for i in range(probs.shape[0]):
         for j in range(min(sent[i], probs.shape[1])):
             b = _bin(probs[i, j], bins)
