@@ -152,9 +152,11 @@ def _settle(slack, batch, raised, s):
 
 
 @kernel
-def _floor_fixed(hits, trials, cost, slack, batch):
-    """:meth:`DraftBudget.floor` with a fixed cost model, ``cost`` its
-    first draft token's: as :func:`_floor_on_fit`."""
+def _floor_for_cost(hits, trials, cost, slack, batch):
+    """An ordinary step's floor, ``cost`` the rate a first draft token must
+    beat: (the floor, the safe floor, the chance it was raised for or 0).
+    The safe floor is the lowest estimate whose calibrated rate beats
+    ``cost``; it may be raised (:func:`_raise`)."""
     safe = _lowest_estimate_above(hits, trials, cost)
     floor, x = _raise(hits, trials, slack, batch, safe)
     return floor, safe, x
@@ -168,16 +170,14 @@ def _choose_settled(probs, lengths, batch, step_ms, rate, out, slack, raised):
 
 @kernel
 def _floor_on_fit(state, b, inc, shade, batch, hits, trials, slack):
-    """:meth:`DraftBudget.floor` with learned costs: (the floor, the safe
-    floor, the chance it was raised for or 0). The safe floor is the lowest
-    estimate whose calibrated rate beats the first draft token's cost; an
-    ordinary step's (``shade`` 0) may be raised (:func:`_raise`)."""
-    cost = _first_token_cost(state, b, inc, shade, batch)
-    safe = _lowest_estimate_above(hits, trials, batch * cost)
+    """:meth:`DraftBudget.floor` with learned costs, as
+    :func:`_floor_for_cost` with the first draft token's cost; an exploring
+    step's (``shade`` != 0) is never raised."""
+    cost = batch * _first_token_cost(state, b, inc, shade, batch)
     if shade != 0.0:
+        safe = _lowest_estimate_above(hits, trials, cost)
         return safe, safe, 0.0
-    floor, x = _raise(hits, trials, slack, batch, safe)
-    return floor, safe, x
+    return _floor_for_cost(hits, trials, cost, slack, batch)
 
 
 @kernel
@@ -197,8 +197,7 @@ def _choose_on_fit(probs, lengths, batch, state, b, base, inc, hits, trials, out
     # one entry past the most it can keep: the slack of keeping them all
     step_ms = table[:min(tokens + 2, table.shape[0], inc.shape[0])]
     _table(state, b, base, inc, batch, 0.0, True, step_ms)
-    s = _choose(probs, lengths, batch, step_ms, rate, out)
-    return tokens, _settle(slack, batch, raised, s)
+    return tokens, _choose_settled(probs, lengths, batch, step_ms, rate, out, slack, raised)
 
 
 EXPLORE_LOSS = 0.01  # an exploring step may cost at most this share of its expected yield
@@ -318,7 +317,7 @@ class DraftBudget:
         hits, trials = self.calibrator.counts()
         if costs is None:
             t = self.step_ms(batch, 1)
-            floor, self.safe_floor, self._raised = _floor_fixed(
+            floor, self.safe_floor, self._raised = _floor_for_cost(
                 hits, trials, batch * (t[1] - t[0]) / t[0], self._slack, batch)
         else:
             self._shade = shade = costs.explore_shade(batch)
