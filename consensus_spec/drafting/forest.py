@@ -20,8 +20,9 @@ other half whole: its nodes are simply reused and its table swapped for a
 spare one that :meth:`tidy` cleared a slice a step, so dropping millions of
 nodes costs microseconds. Memory is committed by the OS as pages are first
 written, so an arena that never fills never costs its full size, unless
-:meth:`commit` backs it all at once (the proposer does, at start: a server's
-memory then does not grow as its arena fills).
+:meth:`commit` backs it all at once, in huge pages where it can (the
+proposer does, at start: a server's memory then does not grow as its arena
+fills, and its walks miss the TLB less).
 """
 
 from __future__ import annotations
@@ -48,15 +49,45 @@ class ForestFull(Exception):
         self.half = half
 
 
+_PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+_HUGE = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
+_NO_HUGE = getattr(mmap, "MADV_NOHUGEPAGE", None)
+
+
 def _anonymous(shape: tuple, dtype) -> np.ndarray:
-    """A zero-filled array in its own anonymous mapping: the OS commits 4 KB
-    pages as first written and takes them back when the array is dropped.
-    Not numpy's allocator: it asks for transparent huge pages on large
-    arrays, and a huge-page fault that compacts memory stalls the writer for
-    milliseconds (every 2 MB of new nodes, measured: ~5 ms)."""
+    """A zero-filled array in its own private anonymous mapping: the OS
+    commits 4 KB pages as first written and takes them back when the array
+    is dropped. Not numpy's allocator, and no huge pages until
+    :meth:`SuffixForest.commit` asks for them (where every such fault
+    happens at once, before the first step): a huge-page fault that
+    compacts memory stalls the writer for milliseconds (every 2 MB of new
+    nodes, measured: ~5 ms). The advice also keeps the mapping its own,
+    not merged with its neighbours (the memory soak tells them apart)."""
     count = int(np.prod(shape))
-    buf = mmap.mmap(-1, max(count * np.dtype(dtype).itemsize, 1))
+    size = max(count * np.dtype(dtype).itemsize, 1)
+    buf = mmap.mmap(-1, size, flags=_PRIVATE) if _PRIVATE else mmap.mmap(-1, size)
+    _advise(buf, _NO_HUGE)
     return np.frombuffer(buf, dtype, count=count).reshape(shape)
+
+
+def _advise(buf: mmap.mmap, advice: int | None) -> bool:
+    """``buf.madvise(advice)``; whether the OS took it (an OS without
+    transparent huge pages leaves 4 KB pages: the same arrays, slower)."""
+    if advice is None:
+        return False
+    try:
+        buf.madvise(advice)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _mapping(array: np.ndarray) -> mmap.mmap | None:
+    """The mapping under an array :func:`_anonymous` made (or a view of it)."""
+    base = array
+    while base is not None and not isinstance(base, mmap.mmap):
+        base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
+    return base
 
 
 def _as_buffer(buffer) -> np.ndarray:
@@ -92,6 +123,7 @@ class SuffixForest:
         self._state = np.array([[0, 0], [self.half, 0]], np.int64)  # per half: next id, edges
         self.young = 0  # the half new tries start in
         self.meta = np.zeros(1, np.int64)  # tokens appended (per sequence), by every call, ever
+        self.huge_pages = False  # commit() asked for transparent huge pages, and got an answer
         self._grow_drafts(64, 8)  # the drafter's step outputs and scratch
 
     def _new_table(self) -> np.ndarray:
@@ -156,9 +188,15 @@ class SuffixForest:
         """Back every page of the arrays now, rewriting what they hold (safe
         at any time): the forest's resident memory is its full size
         (:attr:`nbytes`) from here on, instead of growing towards it as nodes
-        and edges are first written, and no later call faults a page in."""
+        and edges are first written, and no later call faults a page in.
+        Backed by transparent huge pages where the OS gives them
+        (:attr:`huge_pages`): a trie walk is a chain of random reads over
+        hundreds of MB, and with 4 KB pages most of them also miss the TLB
+        (docs/host_time.md, "Huge pages")."""
         for a in [self._nodes, *self._tables, self._spare, self._dirty]:
             if a is not None:
+                buf = _mapping(a)
+                self.huge_pages = (buf is not None and _advise(buf, _HUGE)) or self.huge_pages
                 flat = a.reshape(-1)
                 step = max(1, 4096 // a.itemsize)
                 view = flat[::step]

@@ -113,7 +113,8 @@ class ConsensusProposer:
                     " (prior; step costs learned online)" if self.budget is not None
                     and self.budget.costs is not None else "", self.drafter_options, self.warmup_s,
                     self.drafter.arena_bytes >> 20,
-                    ", committed" if self.proposer_options.commit_arena else "")
+                    (", committed" + (" in huge pages" if self.drafter.forest.huge_pages else "")
+                     if self.proposer_options.commit_arena else ""))
 
     def _reset(self) -> None:
         """Fresh drafting state (trie forest, row tracking, calibration); step
