@@ -9,6 +9,7 @@ is imported only then.
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -97,4 +98,50 @@ class Kernels:
                 self._namespace[name] = njit(cache=True)(fn)
             except RuntimeError:  # no writable cache location: compile per process
                 self._namespace[name] = njit(fn)
+        self._drop_stale_cache()
         self._compiled = True
+
+    def _sources(self) -> list[str]:
+        """This module's file and those of every registry it uses, all the way down."""
+        files, todo = [os.path.abspath(__file__)], [self]  # prefetch's intrinsic lives here
+        while todo:
+            k = todo.pop()
+            path = k._namespace.get("__file__")
+            if path and path not in files:
+                files.append(path)
+                todo.extend(k._uses)
+        return sorted(files)
+
+    def _drop_stale_cache(self) -> None:
+        """Numba keys a cached kernel to its own source file only: a kernel
+        that calls one from another module keeps running the callee's old
+        code from its cache after only the callee's file changed (a git
+        checkout does that; a reinstall rewrites every file). So each
+        module's cache also remembers a digest of the sources it calls into,
+        and is emptied when that digest changes."""
+        caches = [getattr(self._namespace[n], "_cache", None) for n in self._names]
+        caches = [c for c in caches if c is not None and hasattr(c, "flush")]
+        if not caches:
+            return
+        digest = hashlib.sha256()
+        for path in self._sources():
+            try:
+                with open(path, "rb") as f:
+                    digest.update(path.encode() + b"\0" + f.read())
+            except OSError:
+                return  # no sources to compare (a frozen install): numba's own check stands
+        module = os.path.splitext(os.path.basename(self._namespace.get("__file__", "kernels")))[0]
+        stamp = os.path.join(caches[0].cache_path, f"{module}.sources-digest")
+        try:
+            with open(stamp) as f:
+                if f.read() == digest.hexdigest():
+                    return
+        except OSError:
+            pass
+        for cache in caches:
+            cache.flush()
+        try:
+            with open(stamp, "w") as f:
+                f.write(digest.hexdigest())
+        except OSError:
+            pass  # a read-only cache: numba writes nothing there either
