@@ -10,6 +10,7 @@ is imported only then.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -98,7 +99,11 @@ class Kernels:
                 self._namespace[name] = njit(cache=True)(fn)
             except RuntimeError:  # no writable cache location: compile per process
                 self._namespace[name] = njit(fn)
-        self._drop_stale_cache()
+        try:
+            self._drop_stale_cache()
+        except Exception:  # noqa: BLE001 - cache hygiene only: the kernels compile either way
+            logging.getLogger(__name__).warning("consensus_spec: could not check the numba cache "
+                                                "against its sources", exc_info=True)
         self._compiled = True
 
     def _sources(self) -> list[str]:
@@ -120,7 +125,8 @@ class Kernels:
         module's cache also remembers a digest of the sources it calls into,
         and is emptied when that digest changes."""
         caches = [getattr(self._namespace[n], "_cache", None) for n in self._names]
-        caches = [c for c in caches if c is not None and hasattr(c, "flush")]
+        # kernels compiled without a cache (no writable location) have none to empty
+        caches = [c for c in caches if getattr(c, "cache_path", None) and hasattr(c, "flush")]
         if not caches:
             return
         digest = hashlib.sha256()

@@ -60,3 +60,28 @@ def test_a_cached_caller_runs_the_callee_it_calls_now(tmp_path):
     (pkg / "callee.py").write_text(CALLEE.format(value=21))  # only the callee changes
     assert _run(tmp_path) == 42
     assert _run(tmp_path) == 42  # and the new code is what stays cached
+
+
+def test_kernels_without_a_cache_compile_and_run(tmp_path, monkeypatch):
+    """Where numba finds no writable cache location the kernels compile per
+    process, with nothing to empty (numba's NullCache has no path)."""
+    from consensus_spec.jit import Kernels
+
+    source = tmp_path / "mod.py"
+    source.write_text("def one():\n    return 1\n")
+    namespace = {"__file__": str(source)}
+    exec(source.read_text(), namespace)
+    registry = Kernels(namespace)
+    registry(namespace["one"])
+    import numba
+
+    njit = numba.njit
+
+    def no_cache(*args, **kwargs):
+        if kwargs.get("cache"):
+            raise RuntimeError("cannot cache function: no locator available")
+        return njit(*args, **kwargs)
+
+    monkeypatch.setattr(numba, "njit", no_cache)
+    registry.compile()
+    assert namespace["one"]() == 1
