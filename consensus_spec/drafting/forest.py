@@ -61,12 +61,16 @@ def _anonymous(shape: tuple, dtype) -> np.ndarray:
     :meth:`SuffixForest.commit` asks for them (where every such fault
     happens at once, before the first step): a huge-page fault that
     compacts memory stalls the writer for milliseconds (every 2 MB of new
-    nodes, measured: ~5 ms). The advice also keeps the mapping its own,
-    not merged with its neighbours (the memory soak tells them apart)."""
+    nodes, measured: ~5 ms). The mapping stays its own, never merged with
+    its neighbours (the memory soak tells them apart)."""
     count = int(np.prod(shape))
     size = max(count * np.dtype(dtype).itemsize, 1)
     buf = mmap.mmap(-1, size, flags=_PRIVATE) if _PRIVATE else mmap.mmap(-1, size)
     _advise(buf, _NO_HUGE)
+    # One page written now gives the mapping its own anonymous memory object,
+    # and Linux never merges mappings with different ones: so the advice
+    # commit() gives later cannot merge it into a neighbour either.
+    buf[0] = 0
     return np.frombuffer(buf, dtype, count=count).reshape(shape)
 
 
