@@ -222,6 +222,21 @@ def test_incremental_hash_equals_hash_from_scratch():
         tokens = b.tokens(r)
         for n in range(0, len(tokens) + 1, 7):
             assert int(scratch[n]) == reference_hash(tokens[:n])
+    # rows done one after another keep what they share with the row before
+    shared = np.zeros((5, 40), np.int32)
+    shared[:, :30] = rng.integers(0, 50_000, 30)  # one prompt, as new siblings have
+    shared[:, 30:] = rng.integers(0, 50_000, (5, 10))
+    shared[3, 5] += 1  # differs early from the row before
+    ends = [40, 33, 30, 40, 12]
+    last = last_end = -1
+    for r, end in enumerate(ends):
+        if last < 0:
+            row_kernels._prefixes(shared, r, end, scratch)
+        else:
+            row_kernels._prefixes(shared, r, end, scratch, last, last_end)
+        assert [int(scratch[n]) for n in range(end + 1)] == [
+            reference_hash(shared[r, :n].tolist()) for n in range(end + 1)]
+        last, last_end = r, end
     assert reference_hash([0, 1]) != reference_hash([1, 0])
     assert reference_hash([2**31 - 1]) == int(row_kernels._extend(
         np.uint64(0), np.array([[2**31 - 1]], np.int32), 0, 0, 1))

@@ -72,10 +72,21 @@ def _extend(h, token_ids, i, begin, end):
 
 
 @kernel
-def _prefixes(token_ids, i, end, out):
-    """out[n] = hash of row i's first n tokens, for n <= end."""
-    h = out[0] = _ZERO
-    for t in range(end):
+def _prefixes(token_ids, i, end, out, last=-1, last_end=0):
+    """out[n] = hash of row i's first n tokens, for n <= end. If ``out``
+    holds row ``last``'s up to ``last_end`` (the row done before), the part
+    the two rows share is kept, not hashed again: new siblings arrive in
+    adjacent rows with one long prompt, and comparing tokens is several
+    times cheaper than the hash's chain of multiplies."""
+    n = 0
+    if last >= 0:
+        limit = min(end, last_end)
+        while n < limit and token_ids[i, n] == token_ids[last, n]:
+            n += 1
+    else:
+        out[0] = _ZERO
+    h = out[n]
+    for t in range(n, end):
         h = out[t + 1] = mix(h, token_ids[i, t])
 
 
@@ -186,6 +197,7 @@ def _match(counts, ends, token_ids, token_limit, rs, hs, tails, window, flags, i
         n_pending = _where(demoted, pending)  # its path is free now: check the others against it
         n_cand = _where(free, cand)
     m = moved = missed = 0
+    hashed, hashed_end = -1, 0  # the row whose prefix hashes scratch holds
     for i in range(num_rows):
         if state[i] == _IDLE:
             continue
@@ -196,7 +208,8 @@ def _match(counts, ends, token_ids, token_limit, rs, hs, tails, window, flags, i
             who = i
             hashes[i] = _extend(old_hash[i], token_ids, i, base, end)
         else:  # caught up in its own row after missed steps, else moved here
-            _prefixes(token_ids, i, end, scratch)
+            _prefixes(token_ids, i, end, scratch, hashed, hashed_end)
+            hashed, hashed_end = i, end
             hashes[i] = scratch[end]
             n = old_lens[i]
             if free[i] and 0 < n <= base and scratch[n] == old_hash[i]:
