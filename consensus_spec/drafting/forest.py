@@ -127,7 +127,7 @@ class SuffixForest:
         self._state = np.array([[0, 0], [self.half, 0]], np.int64)  # per half: next id, edges
         self.young = 0  # the half new tries start in
         self.meta = np.zeros(1, np.int64)  # tokens appended (per sequence), by every call, ever
-        self.huge_pages = False  # commit() asked for transparent huge pages, and got an answer
+        self.huge_pages = False  # the OS took commit()'s request for transparent huge pages
         self._grow_drafts(64, 8)  # the drafter's step outputs and scratch
 
     def _new_table(self) -> np.ndarray:
