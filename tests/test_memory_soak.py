@@ -164,3 +164,17 @@ def test_the_math_verify_helper_and_its_caches_stay_bounded():
         engine.close()
     assert sizes["math_parsed"] == [200, 200] and sizes["math_verified"][0] <= 200, sizes
     assert rss[1] - rss[0] < 4.0, rss  # MB
+
+
+def test_latency_windows_read_seconds_a_request_and_per_token():
+    # the last window's requests ask for twice the tokens at the same speed: seconds a
+    # request double, seconds a token stay (what tells a slower server from a heavier mix)
+    reqs = [{"i": i, "k": "good", "ok": True, "s": 0.5 if i < 10 else 1.0, "tok": 100 if i < 10 else 200}
+            for i in range(20)]
+    reqs.append({"i": 20, "k": "bad", "ok": True, "s": 9.0})
+    report = {"config": {"requests": 21, "warmup": 0, "window": 10},
+              "servers": {"consensus": {"requests": reqs}}}
+    lat = soak_report.summarize(report)["consensus"]["latency"]
+    assert lat["after_warmup"]["p50_ms_per_token"] == lat["last"]["p50_ms_per_token"] == 5.0
+    assert lat["p50_ratio"] == lat["p99_ratio"] == 2.0
+    assert lat["p50_per_token_ratio"] == lat["p99_per_token_ratio"] == 1.0
