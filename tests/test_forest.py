@@ -268,19 +268,17 @@ def test_commit_backs_every_page_and_changes_nothing():
     """commit() makes the arrays resident (a server's memory is then the
     arena's bound from the start, not growing to it as nodes are written)
     without changing a node or an edge."""
-    import os
-
-    from tests.process_memory import attribute, mappings
+    from tests.process_memory import resident_bytes
 
     forest = SuffixForest(4, capacity=1 << 16)
     root = forest.new_root()
     forest.extend_many([root], *batch([[1, 2, 3, 1, 2, 4] * 20]))
     arrays = [forest._nodes, *forest._tables, forest._spare]
-    regions = {"arena": [[a.ctypes.data, a.nbytes] for a in arrays]}
-    assert attribute(mappings(os.getpid()), regions)["arena"] * 2**20 < forest.nbytes / 4
+    ranges = [[a.ctypes.data, a.nbytes] for a in arrays]
+    assert resident_bytes(ranges) < forest.nbytes / 4
     before = [a.copy() for a in arrays]  # (reading shared anonymous pages backs them too)
     forest.commit()
-    assert attribute(mappings(os.getpid()), regions)["arena"] * 2**20 >= forest.nbytes * 0.99
+    assert resident_bytes(ranges) >= forest.nbytes * 0.99
     assert all(np.array_equal(a, b) for a, b in zip(arrays, before))
 
 

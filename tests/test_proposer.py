@@ -296,20 +296,17 @@ def test_the_arena_is_resident_from_the_start_unless_told_otherwise():
     """commit_arena (default): the trie arena's pages are backed at
     construction, so a server's memory does not grow towards the bound as
     the arena fills; bounds() says what every counter stays within."""
-    import os
+    from tests.process_memory import resident_bytes
 
-    from tests.process_memory import attribute, mappings
-
-    def resident_mb(p):
+    def resident(p):
         forest = p.drafter.forest
         arrays = [forest._nodes, *forest._tables, forest._spare]
-        return attribute(mappings(os.getpid()), {"arena": [[a.ctypes.data, a.nbytes]
-                                                           for a in arrays]}).get("arena", 0.0)
+        return resident_bytes([[a.ctypes.data, a.nbytes] for a in arrays])
 
     committed = make(max_trie_nodes=200_000, warmup=False)
     lazy = make(max_trie_nodes=200_000, warmup=False, commit_arena=False)
-    assert resident_mb(committed) * 2**20 >= committed.drafter.arena_bytes * 0.99
-    assert resident_mb(lazy) * 2**20 < lazy.drafter.arena_bytes / 4
+    assert resident(committed) >= committed.drafter.arena_bytes * 0.99
+    assert resident(lazy) < lazy.drafter.arena_bytes / 4
     c = committed.counters()
     assert c["bounds"]["trie_nodes"] == 200_000 and c["bounds"]["arena_bytes"] == c["arena_bytes"]
     assert c["bounds"]["parked_paths"] == 64 + 4 * 8 and c["bounds"]["path_slots"] == 128
