@@ -127,6 +127,7 @@ class Sampler:
                        "python_blocks": worker.get("python_blocks"),
                        "numba_net_allocations": worker.get("numba_net_allocations"),
                        "mappings_mb": process_memory.attribute(maps, worker.get("regions")),
+                       "regions_resident_mb": worker.get("regions_resident_mb"),
                        **({"error": worker["error"]} if "error" in worker else {})}
         if done >= warmup and self.baseline_maps is None:
             self.baseline_maps = maps

@@ -16,13 +16,11 @@ mapping-level reading is not (Linux may merge a mapping with a neighbour).
 
 from __future__ import annotations
 
-import mmap
 import re
 from pathlib import Path
 
-import numpy as np
-
 from tests.server_soak import process_label, process_tree, rss_kb
+from tests.worker_probe import resident_bytes  # noqa: F401  (one definition; the worker's probe reads it too)
 
 _HEAD = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ \S+\s*(.*)$")
 
@@ -42,21 +40,6 @@ def mappings(pid: int) -> list[dict]:
         elif out and line.startswith("Rss:"):
             out[-1]["rss_kb"] = int(line.split()[1])
     return out
-
-
-def resident_bytes(ranges: list) -> int:
-    """Bytes of this process's pages present in memory within ``ranges``
-    (``[[start, bytes], ...]``), read page by page from ``/proc/self/pagemap``
-    (bit 63 of a page's entry: present; a huge page's 4 KB parts each count)."""
-    page = mmap.PAGESIZE
-    total = 0
-    with open("/proc/self/pagemap", "rb") as f:
-        for start, size in ranges:
-            first, last = start // page, (start + size - 1) // page
-            f.seek(8 * first)
-            entries = np.frombuffer(f.read(8 * (last - first + 1)), np.uint64)
-            total += int(np.count_nonzero(entries >> np.uint64(63))) * page
-    return total
 
 
 def _kind(path: str) -> str:

@@ -86,6 +86,9 @@ def test_every_structure_within_its_bound_and_the_bounds_were_reached(soaked):
                 if s["proposer"][k] > b}
         assert not over, (s["done"], over)
         assert s["proposer"]["arena_bytes"] == samples[0]["proposer"]["arena_bytes"]
+        # the arena is backed from the start (commit_arena), page by page in the worker
+        resident = s["worker"]["regions_resident_mb"]["trie_arena"]
+        assert resident * 2**20 >= 0.99 * s["proposer"]["arena_bytes"] - 2**20 / 10, (s["done"], resident)
         assert not s["proposer"]["num_failures"] and not s["proposer"]["disabled"]
     end = samples[-1]["proposer"]
     # the bounds were reached, not merely respected: the arena rotated, the

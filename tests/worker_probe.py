@@ -10,7 +10,8 @@ speculation too (the plain control): then only the memory fields are filled.
   allocator's own account (``mallinfo2``: heap in use and free, mmapped),
   numba's allocations not freed since the first call, and the address ranges of the trie arena and of
   vLLM's KV cache (for attributing the worker's mappings, see
-  :mod:`tests.process_memory`).  ``trim="1"``: first hand freed heap back to the
+  :mod:`tests.process_memory`) with the MB of each resident, page by page
+  (:func:`resident_bytes`: exact where a mapping merged with a neighbour is not).  ``trim="1"``: first hand freed heap back to the
   OS (glibc ``malloc_trim``), reporting the RSS before: what of the growth is
   live memory and what is heap the allocator kept.
 - ``consensus_spec_tracemalloc(action)``: ``"start"`` traces allocations
@@ -22,7 +23,9 @@ Imported inside the engine process: the top level uses only the standard library
 
 from __future__ import annotations
 
+import array
 import ctypes
+import mmap
 import sys
 
 _BASELINE: list = []  # the tracemalloc snapshot taken at "start"
@@ -47,6 +50,20 @@ def malloc_info() -> dict | None:
     mb = lambda v: round(v / 2**20, 1)  # noqa: E731
     return {"heap": mb(m.arena), "in_use": mb(m.uordblks), "free": mb(m.fordblks),
             "mmapped": mb(m.hblkhd), "free_chunks": m.ordblks}
+
+
+def resident_bytes(ranges: list) -> int:
+    """Bytes of this process's pages present in memory within ``ranges``
+    (``[[start, bytes], ...]``), read page by page from ``/proc/self/pagemap``
+    (bit 63 of a page's entry: present; a huge page's 4 KB parts each count)."""
+    page, total = mmap.PAGESIZE, 0
+    with open("/proc/self/pagemap", "rb") as f:
+        for start, size in ranges:
+            first, last = start // page, (start + size - 1) // page
+            f.seek(8 * first)
+            entries = array.array("Q", f.read(8 * (last - first + 1)))
+            total += sum(e >> 63 for e in entries) * page
+    return total
 
 
 def self_rss_mb() -> int | None:
@@ -114,6 +131,11 @@ class ProposerCounters:
                                                 if type(v).__name__ == "ndarray") / 2**20, 1)
                                 for name, obj in parts.items() if obj is not None}
         out["regions"] = _regions(runner, drafter)
+        try:
+            out["regions_resident_mb"] = {name: round(resident_bytes(ranges) / 2**20, 1)
+                                          for name, ranges in out["regions"].items()}
+        except (OSError, ValueError):  # no pagemap here: the mapping-level reading only
+            pass
         out["malloc"] = malloc_info()
         out["numba_net_allocations"] = _numba_net()
         out["worker_rss_mb"] = self_rss_mb()
