@@ -54,14 +54,16 @@ def _kind(path: str) -> str:
 
 def attribute(maps: list[dict], regions: dict[str, list] | None = None) -> dict[str, float]:
     """MB resident per owner: a named region (``[[start, bytes], ...]``)
-    takes every mapping that lies mostly inside one of its ranges."""
-    spans = [(name, start, start + size) for name, ranges in (regions or {}).items()
-             for start, size in ranges]
+    takes every mapping that lies mostly inside its ranges, together (Linux
+    merges adjacent mappings alike: the arena's edge tables come as one)."""
+    spans = {name: [(start, start + size) for start, size in ranges]
+             for name, ranges in (regions or {}).items()}
     out: dict[str, float] = {}
     for m in maps:
         size = m["end"] - m["start"]
-        owner = next((name for name, lo, hi in spans
-                      if min(hi, m["end"]) - max(lo, m["start"]) > size / 2), None)
+        owner = next((name for name, ranges in spans.items()
+                      if sum(max(min(hi, m["end"]) - max(lo, m["start"]), 0)
+                             for lo, hi in ranges) > size / 2), None)
         key = owner or _kind(m["path"])
         out[key] = out.get(key, 0.0) + m["rss_kb"] / 1024.0
     return {k: round(v, 1) for k, v in sorted(out.items())}
