@@ -228,12 +228,9 @@ def test_incremental_hash_equals_hash_from_scratch():
     shared[:, 30:] = rng.integers(0, 50_000, (5, 10))
     shared[3, 5] += 1  # differs early from the row before
     ends = [40, 33, 30, 40, 12]
-    last = last_end = -1
+    last, last_end = -1, 0  # no row before the first
     for r, end in enumerate(ends):
-        if last < 0:
-            row_kernels._prefixes(shared, r, end, scratch)
-        else:
-            row_kernels._prefixes(shared, r, end, scratch, last, last_end)
+        row_kernels._prefixes(shared, r, end, scratch, last, last_end)
         assert [int(scratch[n]) for n in range(end + 1)] == [
             reference_hash(shared[r, :n].tolist()) for n in range(end + 1)]
         last, last_end = r, end

@@ -61,15 +61,16 @@ def _anonymous(shape: tuple, dtype) -> np.ndarray:
     :meth:`SuffixForest.commit` asks for them (where every such fault
     happens at once, before the first step): a huge-page fault that
     compacts memory stalls the writer for milliseconds (every 2 MB of new
-    nodes, measured: ~5 ms). The mapping stays its own, never merged with
-    its neighbours (the memory soak tells them apart)."""
+    nodes, measured: ~5 ms). Linux may still merge the mapping with an
+    adjacent one (the arena's edge tables and spare come as one): count the
+    arena's memory by its ranges together, or page by page."""
     count = int(np.prod(shape))
     size = max(count * np.dtype(dtype).itemsize, 1)
     buf = mmap.mmap(-1, size, flags=_PRIVATE) if _PRIVATE else mmap.mmap(-1, size)
     _advise(buf, _NO_HUGE)
-    # One page written now gives the mapping its own anonymous memory object,
-    # and Linux never merges mappings with different ones: so the advice
-    # commit() gives later cannot merge it into a neighbour either.
+    # One page written now gives the mapping an anonymous memory object before
+    # commit()'s advice: without it a committed arena merged into an older
+    # forest's mapping (8f16e07). It does not keep every mapping apart.
     buf[0] = 0
     return np.frombuffer(buf, dtype, count=count).reshape(shape)
 
