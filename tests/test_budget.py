@@ -125,6 +125,60 @@ def test_greedy_choice_equals_exhaustive_search_over_thresholds():
             assert min(p[n - 1] for p, n in zip(probs, got) if n) >= flat[best - 1]
 
 
+def reference_choice(probs, lengths, batch, step_ms, rate):
+    """The greedy of ``_choose`` spelt out: every draft token with its
+    calibrated chance (capped at 1, never rising along a draft), sorted
+    likeliest first, then by row, then by position; kept while the rate
+    rises. Returns (lengths, slack)."""
+    k = probs.shape[1]
+    cal = (lambda p: p) if not len(rate) else (lambda p: rate[min(max(int(p * len(rate)), 0),
+                                                                   len(rate) - 1)])
+    tokens = []
+    for i in range(len(probs)):
+        low = 1.0
+        for j in range(min(lengths[i], k)):
+            low = min(low, cal(probs[i, j]))
+            tokens.append((-low, i, j))
+    out = np.zeros(len(probs), np.int64)
+    gain, kept, last = float(batch), 0, np.inf
+    best = gain / step_ms[0]
+    for neg, i, _ in sorted(tokens):
+        if kept + 1 >= len(step_ms) or (gain - neg) / step_ms[kept + 1] <= best:
+            break
+        kept += 1
+        best, gain, last = (gain - neg) / step_ms[kept], gain - neg, -neg
+        out[i] += 1
+    slack = -np.inf if kept + 1 >= len(step_ms) else min(last, best * step_ms[kept + 1] - gain)
+    return out, slack
+
+
+def test_the_choice_takes_tokens_likeliest_first_ties_to_the_lower_row():
+    """``_choose`` (a counting sort by calibrated chance, or a stable sort
+    uncalibrated) keeps what the plain greedy keeps, with the same slack:
+    calibrated rates with ties between bins and above 1, uncalibrated
+    chances with ties, tables cut short, rows with no draft."""
+    from consensus_spec.budget.policy import _choose
+
+    rng = np.random.default_rng(7)
+    checked = 0
+    for trial in range(300):
+        rows, k = int(rng.integers(1, 40)), int(rng.integers(1, 9))
+        batch = rows + int(rng.integers(0, 8))
+        probs = np.round(np.sort(rng.random((rows, k)), axis=1)[:, ::-1], 1)  # ties
+        lengths = rng.integers(-1, k + 2, rows)
+        bins = int(rng.integers(1, 21)) if trial % 3 else 0
+        rate = np.round(rng.uniform(0.0, 1.1, bins), 1)  # ties between bins, some above 1
+        step_ms = H200.step_ms(batch, 1.0 + np.arange(rows * k + 1) / batch)
+        if trial % 5 == 0:
+            step_ms = step_ms[:int(rng.integers(1, len(step_ms) + 1))]  # cut short
+        expected, slack = reference_choice(probs, lengths, batch, step_ms, rate)
+        out = np.empty(rows, np.int64)
+        got = _choose(probs, lengths, batch, step_ms, rate, out)
+        assert np.array_equal(out, expected) and got == slack
+        checked += expected.sum() > 0
+    assert checked > 100
+
+
 def test_a_measured_table_replaces_the_model(tmp_path):
     truth = COST_MODELS["cpu_embedded"]
     table = tmp_path / "costs.jsonl"

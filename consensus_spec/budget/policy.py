@@ -9,7 +9,7 @@ import numpy as np
 
 from ..jit import Kernels
 from . import calibration, online
-from .calibration import AcceptanceCalibrator, _calibrate, _lowest_estimate_above  # noqa: F401
+from .calibration import AcceptanceCalibrator, _bin, _calibrate, _lowest_estimate_above  # noqa: F401
 from .cost_models import StepCostModel
 from .guard import DraftingGuard
 from .measured import MeasuredStepCosts
@@ -19,23 +19,72 @@ kernel = Kernels(globals(), uses=(calibration.kernel, online.kernel))
 
 
 @kernel
-def _before(key, a, b):
-    """Row a's next token goes before row b's: likelier, or tied and earlier."""
-    return key[a] > key[b] or (key[a] == key[b] and a < b)
+def _levels(rate, level_of, value):
+    """The calibrated chances a draft token can have, ``min(1, rate[b])``,
+    as levels, highest first (equal ones one level): ``level_of[b]`` is
+    bin b's level and ``value[level]`` its chance. Returns the levels."""
+    bins = rate.shape[0]
+    order = np.empty(bins, np.int64)
+    for b in range(bins):  # insertion sort, high first: a score of bins
+        x = min(1.0, rate[b])
+        c = b
+        while c > 0 and min(1.0, rate[order[c - 1]]) < x:
+            order[c] = order[c - 1]
+            c -= 1
+        order[c] = b
+    n = 0
+    for a in range(bins):
+        x = min(1.0, rate[order[a]])
+        if n == 0 or x != value[n - 1]:
+            value[n] = x
+            n += 1
+        level_of[order[a]] = n - 1
+    return n
 
 
 @kernel
-def _sift_down(heap, size, key, pos):
-    while True:
-        top, left = pos, 2 * pos + 1
-        if left < size and _before(key, heap[left], heap[top]):
-            top = left
-        if left + 1 < size and _before(key, heap[left + 1], heap[top]):
-            top = left + 1
-        if top == pos:
-            return
-        heap[pos], heap[top] = heap[top], heap[pos]
-        pos = top
+def _ranked(probs, lengths, rate, chance, row):
+    """Every draft token a choice may keep, most likely first: token t of
+    the result is row ``row[t]``'s next one, whose calibrated chance with
+    the tokens before it in its draft is ``chance[t]`` (at most 1, never
+    rising along a draft); ties go to the lower row, then to the earlier
+    token. Returns the order (indices into ``chance`` and ``row``)."""
+    k = probs.shape[1]
+    n = 0
+    for i in range(probs.shape[0]):
+        if min(lengths[i], k) > 0:
+            n += min(lengths[i], k)
+    bins = rate.shape[0]
+    if bins == 0:  # uncalibrated: any chance; a stable sort keeps rows and positions in order
+        t = 0
+        for i in range(probs.shape[0]):
+            low = 1.0
+            for j in range(min(lengths[i], k)):
+                low = min(low, probs[i, j])
+                chance[t], row[t] = low, i
+                t += 1
+        return np.argsort(-chance[:n], kind="mergesort")
+    # calibrated: a score of distinct chances, so a counting sort by level
+    level_of = np.empty(bins, np.int64)
+    value = np.empty(bins)
+    _levels(rate, level_of, value)
+    level = np.empty(n, np.int64)
+    count = np.zeros(bins + 1, np.int64)
+    t = 0
+    for i in range(probs.shape[0]):
+        low = 0  # the draft's lowest chance so far, as a level (higher: less likely)
+        for j in range(min(lengths[i], k)):
+            low = max(low, level_of[_bin(probs[i, j], bins)])
+            level[t], row[t], chance[t] = low, i, value[low]
+            count[low + 1] += 1
+            t += 1
+    for b in range(bins):
+        count[b + 1] += count[b]
+    order = np.empty(n, np.int64)
+    for t in range(n):
+        order[count[level[t]]] = t
+        count[level[t]] += 1
+    return order
 
 
 @kernel
@@ -49,39 +98,25 @@ def _choose(probs, lengths, batch, step_ms, rate, out):
     calibrated chance is below it changes nothing (it comes after every
     kept token and fails where the greedy stopped); -inf when the table
     ends there."""
-    k = probs.shape[1]
     out[:] = 0
     if batch <= 0:
         return -np.inf
-    head = np.empty(probs.shape[0])  # calibrated chance of each row's next token
-    heap = np.empty(probs.shape[0], np.int64)
-    size = 0
-    for i in range(probs.shape[0]):
-        if min(lengths[i], k) > 0:
-            head[i] = min(1.0, _calibrate(probs[i, 0], rate))
-            heap[size] = i
-            size += 1
-    for pos in range(size // 2 - 1, -1, -1):
-        _sift_down(heap, size, head, pos)
+    chance = np.empty(probs.size)
+    row = np.empty(probs.size, np.int64)
+    order = _ranked(probs, lengths, rate, chance, row)
     gain = float(batch)
     best = gain / step_ms[0]
     kept = 0
     last = np.inf  # the last kept token's chance
-    while size > 0 and kept + 1 < step_ms.shape[0]:
-        i = heap[0]
-        r = (gain + head[i]) / step_ms[kept + 1]
+    for t in order:
+        if kept + 1 >= step_ms.shape[0]:
+            break
+        r = (gain + chance[t]) / step_ms[kept + 1]
         if r <= best:
             break
         kept += 1
-        best, gain, last = r, gain + head[i], head[i]
-        out[i] += 1
-        n = out[i]
-        if n < min(lengths[i], k):
-            head[i] = min(head[i], _calibrate(probs[i, n], rate))  # never rises along a draft
-        else:
-            size -= 1
-            heap[0] = heap[size]
-        _sift_down(heap, size, head, 0)
+        best, gain, last = r, gain + chance[t], chance[t]
+        out[row[t]] += 1
     if kept + 1 >= step_ms.shape[0]:
         return -np.inf
     return min(last, best * step_ms[kept + 1] - gain)
