@@ -7,6 +7,7 @@ disagrees with it, and stop once the answer is clear."""
 import json
 import logging
 import os
+import shutil
 import time
 from types import SimpleNamespace
 
@@ -204,6 +205,25 @@ def test_a_corrupt_file_is_one_warning_and_the_default_prior(tmp_path, caplog):
     assert len(warnings_of(caplog)) == 1 and "not used" in warnings_of(caplog)[0].getMessage()
     assert proposer.counters()["cost_model"] == "cpu_embedded"
     assert proposer.budget.costs.measured_buckets() == 0
+
+
+def test_the_exit_save_makes_a_fresh_cache_folder_but_not_a_removed_one(tmp_path):
+    # a run that times too few steps for a periodic save (every 256-row evals run) must
+    # still leave its table on a fresh machine, where the cache folder is not there yet
+    fresh = tmp_path / "cache" / "step_costs"
+    proposer = run_proposer(stand_in(fresh), steps=200)
+    assert proposer._memory.saves == 0 and not fresh.exists()
+    path = proposer._memory.save_at_exit()
+    assert path and os.listdir(fresh) == [os.path.basename(path)]
+    assert ConsensusProposer(stand_in(fresh)).counters()["cost_model"] == "cpu_embedded (remembered)"
+    # a folder that was there and went away while the engine ran stays gone
+    shutil.rmtree(fresh)
+    assert proposer._memory.save_at_exit() is None and not fresh.exists()
+    made_then_removed = tmp_path / "there"
+    made_then_removed.mkdir()
+    other = run_proposer(stand_in(made_then_removed), steps=200)
+    made_then_removed.rmdir()
+    assert other._memory.save_at_exit() is None and not made_then_removed.exists()
 
 
 def test_remembering_can_be_turned_off_and_needs_auto(tmp_path):

@@ -27,8 +27,7 @@ _LIVE: "weakref.WeakSet[CostMemory]" = weakref.WeakSet()  # saved at exit; gone 
 @atexit.register
 def _save_all() -> None:
     for memory in list(_LIVE):
-        if os.path.isdir(os.path.dirname(memory.path)):  # a folder removed meanwhile stays removed
-            memory.save()
+        memory.save_at_exit()
 
 
 def _cpu_name() -> str:
@@ -79,6 +78,8 @@ class CostMemory:
     def __init__(self, key: dict, directory: str, owner):
         self.key = key
         self.path = remember.path_for(key, directory)
+        self.folder = os.path.dirname(self.path)
+        self.folder_seen = os.path.isdir(self.folder)  # here at start, or made by a save
         self._owner = weakref.ref(owner)  # the proposer: its budget holds what to save
         self._last_save = None
         self._failed = False
@@ -111,6 +112,15 @@ class CostMemory:
                                   for b, ms in sorted(by_b.items())))
         return table
 
+    def save_at_exit(self) -> str | None:
+        """:meth:`save`, unless the folder was removed while this ran (it stays
+        removed). One that never was (a fresh machine's cache before any periodic
+        save: a short run, or one at 256 rows that times few steps) is made, or
+        nothing would ever be remembered there."""
+        if os.path.isdir(self.folder) or not self.folder_seen:
+            return self.save()
+        return None
+
     def maybe_save(self) -> None:
         now = time.monotonic()
         if self._last_save is None or now - self._last_save >= SAVE_EVERY_S:
@@ -137,4 +147,5 @@ class CostMemory:
                            self.path, type(e).__name__, e)
             return None
         self.saves += 1
+        self.folder_seen = True
         return self.path
