@@ -4,10 +4,10 @@ corrupt, stale or foreign one is ignored with one WARNING; with a measured
 prior the guard's plain windows and exploration run only where the engine
 disagrees with it, and stop once the answer is clear."""
 
+import gc
 import json
 import logging
 import os
-import shutil
 import time
 from types import SimpleNamespace
 
@@ -207,23 +207,29 @@ def test_a_corrupt_file_is_one_warning_and_the_default_prior(tmp_path, caplog):
     assert proposer.budget.costs.measured_buckets() == 0
 
 
-def test_the_exit_save_makes_a_fresh_cache_folder_but_not_a_removed_one(tmp_path):
-    # a run that times too few steps for a periodic save (every 256-row evals run) must
-    # still leave its table on a fresh machine, where the cache folder is not there yet
+def test_the_last_save_comes_when_the_proposer_goes_and_makes_a_fresh_folder(tmp_path):
+    # an engine shut down and collected before the process ends (each evals run), having
+    # timed too few steps for a periodic save (256 rows), on a fresh machine (no cache
+    # folder yet): what it learned is still remembered
     fresh = tmp_path / "cache" / "step_costs"
     proposer = run_proposer(stand_in(fresh), steps=200)
     assert proposer._memory.saves == 0 and not fresh.exists()
-    path = proposer._memory.save_at_exit()
-    assert path and os.listdir(fresh) == [os.path.basename(path)]
-    assert ConsensusProposer(stand_in(fresh)).counters()["cost_model"] == "cpu_embedded (remembered)"
+    learned = proposer.budget.costs.step_ms(8, 16, drafter=False)
+    del proposer
+    gc.collect()
+    files = os.listdir(fresh)
+    assert len(files) == 1
+    second = ConsensusProposer(stand_in(fresh))
+    assert second.counters()["cost_model"] == "cpu_embedded (remembered)"
+    assert second.budget.costs.step_ms(8, 16, drafter=False) == pytest.approx(learned, rel=1e-3)
     # a folder that was there and went away while the engine ran stays gone
-    shutil.rmtree(fresh)
-    assert proposer._memory.save_at_exit() is None and not fresh.exists()
-    made_then_removed = tmp_path / "there"
-    made_then_removed.mkdir()
-    other = run_proposer(stand_in(made_then_removed), steps=200)
-    made_then_removed.rmdir()
-    assert other._memory.save_at_exit() is None and not made_then_removed.exists()
+    there = tmp_path / "there"
+    there.mkdir()
+    other = run_proposer(stand_in(there), steps=200)
+    there.rmdir()
+    del other
+    gc.collect()
+    assert not there.exists()
 
 
 def test_remembering_can_be_turned_off_and_needs_auto(tmp_path):

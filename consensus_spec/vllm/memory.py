@@ -1,7 +1,7 @@
 """The proposer's remembered step costs (``remember_costs``, with
 ``cost_model=auto``): the key vLLM's config gives this engine, the file
-read once at start, and saves now and then as steps are timed (and at
-exit). The file format and its checks are :mod:`consensus_spec.budget.remember`.
+read once at start, and saves now and then as steps are timed, and once
+more when the proposer goes (collected, or at exit). The file format and its checks are :mod:`consensus_spec.budget.remember`.
 
 Never fatal: a file that cannot be used is one WARNING and a start from
 the default prior; a save that fails is one WARNING and no more tries.
@@ -9,7 +9,6 @@ the default prior; a save that fails is one WARNING and no more tries.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import time
@@ -21,13 +20,6 @@ logger = logging.getLogger(f"vllm.{__name__}")
 
 SAVE_EVERY_STEPS = 256  # timed steps between save attempts...
 SAVE_EVERY_S = 60.0     # ...at most this often (wall time, not the replaceable clock)
-_LIVE: "weakref.WeakSet[CostMemory]" = weakref.WeakSet()  # saved at exit; gone with their proposer
-
-
-@atexit.register
-def _save_all() -> None:
-    for memory in list(_LIVE):
-        memory.save_at_exit()
 
 
 def _cpu_name() -> str:
@@ -80,11 +72,13 @@ class CostMemory:
         self.path = remember.path_for(key, directory)
         self.folder = os.path.dirname(self.path)
         self.folder_seen = os.path.isdir(self.folder)  # here at start, or made by a save
-        self._owner = weakref.ref(owner)  # the proposer: its budget holds what to save
+        self.budget = None  # the owner's current budget (it says): what a save writes
         self._last_save = None
         self._failed = False
         self.saves = 0
-        _LIVE.add(self)
+        # the last save: when the proposer is collected (an engine shut down before the
+        # process ends: the evals' runs) or at exit, whichever comes first
+        weakref.finalize(owner, self.save_at_exit)
 
     @classmethod
     def for_engine(cls, vllm_config, directory: str, owner) -> "CostMemory | None":
@@ -129,10 +123,9 @@ class CostMemory:
     def save(self) -> str | None:
         """Write what the owner's budget learned; the path, or None (nothing
         learned yet, or a failure: logged once)."""
-        owner = self._owner()
-        budget = getattr(owner, "budget", None)
+        budget = self.budget
         costs = getattr(budget, "costs", None)
-        if self._failed or costs is None or not getattr(owner, "steps_timed", 0):
+        if self._failed or costs is None or not costs.steps_observed:
             return None
         self._last_save = time.monotonic()
         try:

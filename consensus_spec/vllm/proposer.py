@@ -128,6 +128,8 @@ class ConsensusProposer:
                        if self._cost_model is not None else None)
         if learned is not None and self.budget is not None:
             self.budget.costs = learned
+        if self._memory is not None:
+            self._memory.budget = self.budget  # what it saves, even once this proposer is gone
         self.rows = RowTracker(self.drafter,
                                max_parked=64 + 4 * self._max_num_seqs, token_limit=TOKEN_LIMIT)
         self._sent = None  # (rows, paths, estimates, lengths) of the drafts last sent
