@@ -1,7 +1,8 @@
 """The proposer's remembered step costs (``remember_costs``, with
 ``cost_model=auto``): the key vLLM's config gives this engine, the file
 read once at start, and saves now and then as steps are timed, and once
-more when the proposer goes (collected, or at exit). The file format and its checks are :mod:`consensus_spec.budget.remember`.
+more when the proposer goes (collected, or at exit). The file format and
+its checks are :mod:`consensus_spec.budget.remember`.
 
 Never fatal: a file that cannot be used is one WARNING and a start from
 the default prior; a save that fails is one WARNING and no more tries.

@@ -409,7 +409,7 @@ class ConsensusProposer:
 
     def save_step_costs(self) -> str | None:
         """Remember what was learned now (also done every few hundred timed
-        steps and at exit); the file's path, or None."""
+        steps and when this proposer goes); the file's path, or None."""
         return self._memory.save() if self._memory is not None else None
 
     def load_model(self, *args, **kwargs) -> None:
