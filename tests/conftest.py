@@ -16,6 +16,14 @@ os.environ["CONSENSUS_SPEC_STEP_COSTS_DIR"] = _STEP_COSTS
 def pytest_unconfigure(config):
     shutil.rmtree(_STEP_COSTS, ignore_errors=True)
 
+
+@pytest.fixture(autouse=True)
+def _own_step_costs(monkeypatch, tmp_path_factory):
+    """Each test's engines (and the processes it starts) remember step costs in a folder of
+    its own: a proposer saves what it learned when it goes, and a table one test's tiny
+    engine learned must not set how much the next test's engine drafts."""
+    monkeypatch.setenv("CONSENSUS_SPEC_STEP_COSTS_DIR", str(tmp_path_factory.mktemp("step_costs")))
+
 SC_MAX_INFLIGHT = 6  # CONSENSUS_SPEC_SC_MAX_INFLIGHT for this server
 SC_MAX_N = 32
 
