@@ -8,7 +8,8 @@ import tempfile
 
 import pytest
 
-# engines and proposers the tests start remember step costs here, never in the user's cache
+# never the user's cache: engines started at collection or by session fixtures remember step
+# costs here; each test's own get a folder of their own (_own_step_costs below)
 _STEP_COSTS = tempfile.mkdtemp(prefix="consensus_spec_step_costs_")
 os.environ["CONSENSUS_SPEC_STEP_COSTS_DIR"] = _STEP_COSTS
 

@@ -79,7 +79,7 @@ class CostMemory:
         self.saves = 0
         # the last save: when the proposer is collected (an engine shut down before the
         # process ends: the evals' runs) or at exit, whichever comes first
-        weakref.finalize(owner, self.save_at_exit)
+        weakref.finalize(owner, self.save_last)
 
     @classmethod
     def for_engine(cls, vllm_config, directory: str, owner) -> "CostMemory | None":
@@ -107,7 +107,7 @@ class CostMemory:
                                   for b, ms in sorted(by_b.items())))
         return table
 
-    def save_at_exit(self) -> str | None:
+    def save_last(self) -> str | None:
         """:meth:`save`, unless the folder was removed while this ran (it stays
         removed). One that never was (a fresh machine's cache before any periodic
         save: a short run, or one at 256 rows that times few steps) is made, or
