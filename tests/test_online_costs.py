@@ -327,3 +327,51 @@ def test_guard_still_turns_drafting_off_through_stalls_where_it_loses():
         stall = 6.0 if t % 37 in (0, 1, 2) else 1.0
         guard.observe(128, stall * 128 / max(rate, 1.0))
     assert guard.summary()["drafting_off_at_rows"] == [128]
+
+
+def slow_drafter(proposer, clock, cost):
+    """The drafter's calls take ``cost[0]`` seconds of the clock (a machine
+    whose host is slow next to its forward pass); returns the call count."""
+    calls = [0]
+    drafter = proposer.drafter
+    for name in ("extend_and_draft", "draft"):
+        real = getattr(drafter, name)
+
+        def timed(*a, _real=real, **k):
+            calls[0] += 1
+            clock.now += cost[0]
+            return _real(*a, **k)
+        setattr(drafter, name, timed)
+    return calls
+
+
+def test_drafting_that_does_not_pay_for_its_drafter_rests_the_drafter():
+    """Drafts that gain 20% a step, from a drafter that takes 3x a plain
+    step: per step the budget rightly drafts (the drafter runs either way),
+    but the engine is slower than without speculation. The guard weighs plain
+    steps without the drafter's time, so it turns drafting off, and then the
+    drafter is not run at all; when the drafter is cheap again, a window
+    finds drafting paying, it comes back and the tries are rebuilt."""
+    proposer = ConsensusProposer(stand_in())
+    clock = Clock()
+    proposer.clock = clock
+    text = [10 + (t * 3) % 10 for t in range(4000)]
+    run = Siblings(proposer, 8, text, clock, lambda rows, m: 10.0 + 1.0 * m)
+    cost = [0.030]
+    calls = slow_drafter(proposer, clock, cost)
+    for _ in range(300):
+        run.step()
+    c = proposer.counters()
+    assert c["guard"]["drafting_off_at_rows"] == [8] and c["steps_drafter_off"] > 100
+    before, off = calls[0], c["steps_drafter_off"]
+    for _ in range(50):
+        run.step()
+    resting = proposer.counters()["steps_drafter_off"] - off
+    assert calls[0] - before <= 50 - resting and resting >= 40  # the drafter ran in windows only
+    cost[0] = 0.0
+    accepted = proposer.num_accepted
+    for _ in range(600):
+        run.step()
+    c = proposer.counters()
+    assert c["guard"]["drafting_off_at_rows"] == [] and c["guard"]["switches"] == 2
+    assert c["drafter_catch_ups"] >= 1 and proposer.num_accepted - accepted > 8 * 300

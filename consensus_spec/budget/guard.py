@@ -16,6 +16,12 @@ rarer while the verdict holds, so a settled engine pays little for the check.
 Where a measured step-cost table holds (``settled``, see measured.py) the
 windows are skipped while drafting is on: they would only find what the
 table says.
+
+The plain side is plain without the drafter: where the guard's policy is no
+drafts (``off``, outside a window) the proposer skips the drafter as well,
+and it charges a plain window step only what such a step costs (tracking
+rows). So drafting must pay for its drafter's time to stay on, and where it
+cannot the engine runs at about its speed without speculation.
 """
 
 from __future__ import annotations
@@ -78,6 +84,7 @@ class DraftingGuard:
         self.steps_forced_plain = 0  # of those, plain steps while drafting was the policy
         self.windows_skipped = 0     # due windows left out where a measured table holds
         self.tokens_given_up = 0.0   # windows' tokens short of the steps before them, summed
+        self.off = False  # the last decision: no drafts by policy (not a window), so no drafter
 
     def drafts(self, batch: int) -> bool:
         """Whether the step about to be drafted for should carry drafts."""
@@ -99,6 +106,7 @@ class DraftingGuard:
             self.steps_other += 1
             self.steps_forced_plain += b.drafting
         self._last = (b, in_window)
+        self.off = not b.drafting and not in_window
         return b.drafting != in_window
 
     def observe(self, tokens: int, seconds: float) -> None:

@@ -311,6 +311,17 @@ class DraftBudget:
         self.steps_raised, self.redrafts = 0, 0
 
     @property
+    def drafter_off(self) -> bool:
+        """The step :meth:`floor` just decided carries no drafts by the guard's
+        policy (not a window): the proposer need not run its drafter."""
+        return self.guard is not None and self.guard.off
+
+    @property
+    def plain_step(self) -> bool:
+        """The step :meth:`floor` just decided carries no drafts (the guard's call)."""
+        return not self._draft
+
+    @property
     def cached_batches(self) -> int:
         """Batch sizes whose step times are cached here and in the online costs."""
         return len(self._step_ms) + (self.costs.cached_batches if self.costs is not None else 0)

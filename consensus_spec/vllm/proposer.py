@@ -98,6 +98,9 @@ class ConsensusProposer:
         self.num_resets = 0    # times the drafting state was rebuilt after a failure
         self.num_regroups = 0  # of those, tries rebuilt with paths kept in their groups
         self.regroup_ms_max = 0.0  # the longest such rebuild (it re-appends rows' outputs)
+        self.steps_drafter_off = 0  # steps the guard kept plain with the drafter not run at all
+        self.drafter_catch_ups = 0   # tries rebuilt when drafting came back after such steps
+        self.catch_up_ms_max = 0.0
         self._tracked = False  # this call's row tracking finished
         self.disabled = False  # switched off after max_failures failing steps in a row
         self._failing = 0      # failing steps in a row
@@ -135,6 +138,8 @@ class ConsensusProposer:
         self._sent = None  # (rows, paths, estimates, lengths) of the drafts last sent
         self._last_end = None  # clock at the end of the last propose call
         self._last_call_s = 0.0  # that call's own time
+        self._last_guard_s = 0.0  # of it, what the guard charges (_propose)
+        self._stale = False  # the tries missed steps the drafter skipped: rebuild before drafting
         self._next_log = None
 
     def _warm_up(self) -> float:
@@ -153,7 +158,8 @@ class ConsensusProposer:
                 tokens[:, lengths[0]] = 20 + step % 2
                 lengths += 1
                 self._propose(sampled, lengths, tokens, start=fake[0])
-                self._last_end, self._last_call_s = fake[0] + 1e-4, 1e-4
+                self._last_end = fake[0] + 1e-4
+                self._last_call_s = self._last_guard_s = 1e-4
                 fake[0] += 0.01
             if self.budget is not None and self.budget.costs is not None:
                 self.budget.costs.uncertainty(2)  # exploration's kernel
@@ -174,10 +180,13 @@ class ConsensusProposer:
             try:
                 start = self.clock()
                 self._tracked = False
+                self._guard_s, self._uncharged_s = None, 0.0
                 drafts = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, start)
                 self._failing = 0
                 self._last_end = end = self.clock()
                 self._last_call_s = end - start
+                self._last_guard_s = (self._last_call_s - self._uncharged_s if self._guard_s is None
+                                      else self._guard_s)
                 return drafts
             except Exception as error:  # noqa: BLE001 - never take the engine down
                 self._last_end = None
@@ -232,6 +241,7 @@ class ConsensusProposer:
         row in flight gets its recent output (the row tracker says which
         path and how far) re-appended from vLLM's token buffer."""
         self._sent = None
+        self._stale = False
         self.drafter.drop_tries()
         rows, paths, ends = self.rows.holding()
         if len(rows):
@@ -240,6 +250,7 @@ class ConsensusProposer:
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
                  start: float | None = None) -> list[list[int]]:
+        began = time.perf_counter()  # not self.clock: a replay's clock counts its reads
         num_rows = len(sampled_token_ids)
         rows = self.rows
         before = rows.events
@@ -249,6 +260,7 @@ class ConsensusProposer:
             self._sent = None
             return [[] for _ in range(num_rows)]
         verified = self._observe()
+        tracked = time.perf_counter() - began  # what a plain step costs us
         clean = verified is not None and len(step.rows) == num_rows and rows.events == before
         self._time_step(num_rows, verified if clean else None, start)
         self._last_rows = num_rows
@@ -258,10 +270,24 @@ class ConsensusProposer:
         room = self._room[:m]  # min(max_model_len - 1 - ends, k) (< 0: none), no numpy temporaries
         row_kernels._room(step.ends, self.max_model_len - 1, self.num_speculative_tokens, room)
         floor = self.budget.floor(num_rows) if self.budget is not None else None
-        # every row's new tokens go in before any row drafts, so each path
-        # drafts from its siblings' tokens of this very step
-        tokens, probs, lengths = self.drafter.extend_and_draft(
-            step.paths, token_ids_cpu, step.rows, step.begins, step.ends, room, floor)
+        if self.budget is not None and self.budget.plain_step:
+            self._guard_s = tracked  # the guard weighs plain steps as if the drafter never ran
+            if self.budget.drafter_off:  # drafting does not pay for its drafter here: skip it
+                if not self._stale:
+                    logger.info("consensus_spec: drafting off at %d rows (it did not pay for the "
+                                "drafter's time); the drafter rests until a check says otherwise",
+                                num_rows)
+                self._stale = True
+                self._sent = None
+                self.steps_drafter_off += 1
+                return [[] for _ in range(num_rows)]
+        if self._stale:
+            tokens, probs, lengths = self._catch_up(token_ids_cpu, step.paths, room, floor)
+        else:
+            # every row's new tokens go in before any row drafts, so each path
+            # drafts from its siblings' tokens of this very step
+            tokens, probs, lengths = self.drafter.extend_and_draft(
+                step.paths, token_ids_cpu, step.rows, step.begins, step.ends, room, floor)
         if self.budget is not None:
             lengths = self.budget(probs, lengths, num_rows)
             if self.budget.redraft:  # its raised floor cut walks the choice needed
@@ -271,6 +297,21 @@ class ConsensusProposer:
             lengths = lengths.astype(np.int64)  # the drafter's buffer is reused next step
         self._sent = (step.rows, step.paths, probs, lengths)
         return self._lists(step.rows, tokens, lengths, num_rows)
+
+    def _catch_up(self, token_ids_cpu, paths, room, floor):
+        """Drafts after steps the drafter skipped: fresh tries with every row in
+        flight re-appended (:meth:`_regroup`; finished paths' outputs are not
+        back), then this step's walks. The rebuild is left out of what the
+        guard charges: it comes once per return, not per step."""
+        t0 = time.perf_counter()
+        held = self._regroup(token_ids_cpu)
+        self._uncharged_s = time.perf_counter() - t0
+        self._stale = False
+        self.drafter_catch_ups += 1
+        self.catch_up_ms_max = max(self.catch_up_ms_max, 1e3 * self._uncharged_s)
+        logger.debug("consensus_spec: drafting back on; %d rows re-appended in %.1f ms", held,
+                     1e3 * self._uncharged_s)
+        return self.drafter.draft(paths, room, floor)
 
     def _lists(self, rows, tokens, lengths, num_rows: int) -> list[list[int]]:
         """One list per batch row (vLLM's drafts): ``rows[j]``'s is
@@ -305,7 +346,7 @@ class ConsensusProposer:
         if last_end is not None and not self._idle(start - last_end):
             # every step, clean or not, for the guard
             budget.observe_throughput(int(self.rows.step_tokens),
-                                      start - last_end + self._last_call_s)
+                                      start - last_end + self._last_guard_s)
         if verified is None or last_end is None:
             self.steps_unattributed += 1
         else:
@@ -355,6 +396,8 @@ class ConsensusProposer:
             "num_drafted": self.num_drafted, "num_accepted": self.num_accepted,
             "num_failures": self.num_failures, "num_resets": self.num_resets,
             "num_regroups": self.num_regroups, "regroup_ms_max": round(self.regroup_ms_max, 2),
+            "steps_drafter_off": self.steps_drafter_off, "drafter_catch_ups": self.drafter_catch_ups,
+            "catch_up_ms_max": round(self.catch_up_ms_max, 2),
             "disabled": self.disabled, "paths_started": rows.paths_started,
             "paths_resumed": rows.paths_resumed, "paths_moved": rows.paths_moved,
             "tokens_missed": rows.tokens_missed, "rows_rejected": rows.rows_rejected,
