@@ -26,6 +26,13 @@ Each phase's median and p99 per row-step over the calls.
 
 Last, both codes are driven in lock step on one deterministic clock, and
 every call's drafts must be the same (exit status 1 if not).
+
+In an engine a forward pass runs between two calls and leaves the caches
+cold (the weights stream through them); a replay's calls follow each other
+warm. ``--evict-mb N`` writes an N MB buffer before every timed call (not
+timed), as a forward pass would: on a 2-core AMD EPYC (Zen 3) 64 MB made
+every phase 2-3x slower, about what the proposer took live in README
+command 1 (docs/isa.md).
 """
 
 from __future__ import annotations
@@ -54,7 +61,8 @@ class Calls:
     """Per propose() call: rows, thread CPU and wall seconds, and with
     ``phases`` the CPU seconds of each phase within it."""
 
-    def __init__(self, phases: bool):
+    def __init__(self, phases: bool, evict: np.ndarray | None = None):
+        self.evict = evict  # written before each call: caches as cold as after a forward pass
         self.rows, self.cpu, self.wall = [], [], []
         self.phases = {p: [] for p in PHASES} if phases else None
         self.now = dict.fromkeys(PHASES, 0.0)
@@ -71,6 +79,8 @@ class Calls:
     def around(self, propose):
         def call(sampled, *args, **kwargs):
             self.now = dict.fromkeys(PHASES, 0.0)
+            if self.evict is not None:
+                self.evict += 1.0
             w, t = time.perf_counter(), time.thread_time()
             out = propose(sampled, *args, **kwargs)
             self.cpu.append(time.thread_time() - t)
@@ -194,11 +204,21 @@ class Lockstep:
             c.step(rows, drafted)
 
 
+_BUFFERS: dict[int, np.ndarray] = {}
+
+
+def evict_buffer(mb: int) -> np.ndarray | None:
+    """The buffer ``--evict-mb`` writes before each call (one per size), or None."""
+    if mb and mb not in _BUFFERS:
+        _BUFFERS[mb] = np.zeros(mb << 17)  # 8-byte floats
+    return _BUFFERS.get(mb)
+
+
 def run_one(package, problems, rows: int, args, costs, phases: bool) -> dict:
     clock = VirtualClock(costs.step_ms_clamped)
     drafter = make_drafter("consensus", args.k, max_len(problems, args.k), rows, args.options,
                            clock=clock, package=package)
-    calls = Calls(phases)
+    calls = Calls(phases, evict_buffer(args.evict_mb))
     instrument(drafter.proposer, calls)
     stats = replay(problems, drafter, "consensus", args.k, rows, clock=clock)
     cpu, wall = calls.per_row(calls.cpu), calls.per_row(calls.wall)
@@ -319,11 +339,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="git revision of the code compared against")
     ap.add_argument("--costs", default=DEFAULT_COSTS,
                     help="step-cost table the virtual clock runs on")
+    ap.add_argument("--evict-mb", type=int, default=0,
+                    help="write a buffer of this many MB before each timed call (not timed): "
+                         "caches as cold as an engine's forward pass leaves them (0: warm)")
     add_option_arg(ap)
     ap.add_argument("--out", default="results/propose_time", help="output prefix (.json and .md)")
     args = ap.parse_args(argv)
     if min(args.rows) < 1 or args.k < 1 or args.repeats < 1 or (args.limit or 1) < 1:
         ap.error("--rows, --k, --repeats and --limit must be >= 1")
+    if not 0 <= args.evict_mb <= 4096:
+        ap.error("--evict-mb must be within 0..4096")
     args.options = parse_options(args.option)
     return args
 
