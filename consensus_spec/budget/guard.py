@@ -19,8 +19,8 @@ table says.
 
 The plain side is plain without the drafter: where the guard's policy is no
 drafts (``off``, outside a window) the proposer skips the drafter as well,
-and it charges a plain window step only what such a step costs (tracking
-rows). So drafting must pay for its drafter's time to stay on, and where it
+and a plain window step is charged no host time, as a plain engine's step.
+So drafting must pay for its drafter's time to stay on, and where it
 cannot the engine runs at about its speed without speculation.
 """
 

@@ -250,7 +250,6 @@ class ConsensusProposer:
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
                  start: float | None = None) -> list[list[int]]:
-        began = time.perf_counter()  # not self.clock: a replay's clock counts its reads
         num_rows = len(sampled_token_ids)
         rows = self.rows
         before = rows.events
@@ -260,7 +259,6 @@ class ConsensusProposer:
             self._sent = None
             return [[] for _ in range(num_rows)]
         verified = self._observe()
-        tracked = time.perf_counter() - began  # what a plain step costs us
         clean = verified is not None and len(step.rows) == num_rows and rows.events == before
         self._time_step(num_rows, verified if clean else None, start)
         self._last_rows = num_rows
@@ -271,7 +269,9 @@ class ConsensusProposer:
         row_kernels._room(step.ends, self.max_model_len - 1, self.num_speculative_tokens, room)
         floor = self.budget.floor(num_rows) if self.budget is not None else None
         if self.budget is not None and self.budget.plain_step:
-            self._guard_s = tracked  # the guard weighs plain steps as if the drafter never ran
+            # the guard weighs a plain step as a plain engine's: no host time of ours (no
+            # clock read for it either: a replay's deterministic clock counts its reads)
+            self._guard_s = 0.0
             if self.budget.drafter_off:  # drafting does not pay for its drafter here: skip it
                 if not self._stale:
                     logger.info("consensus_spec: drafting off at %d rows (it did not pay for the "
