@@ -351,7 +351,8 @@ def test_drafting_that_does_not_pay_for_its_drafter_rests_the_drafter():
     but the engine is slower than without speculation. The guard weighs plain
     steps without the drafter's time, so it turns drafting off, and then the
     drafter is not run at all; when the drafter is cheap again, a window
-    finds drafting paying, it comes back and the tries are rebuilt."""
+    finds drafting paying, it comes back and the tries are rebuilt. (The
+    drafter rests only once the windows are more than REST_AFTER steps apart.)"""
     proposer = ConsensusProposer(stand_in())
     clock = Clock()
     proposer.clock = clock
@@ -359,7 +360,7 @@ def test_drafting_that_does_not_pay_for_its_drafter_rests_the_drafter():
     run = Siblings(proposer, 8, text, clock, lambda rows, m: 10.0 + 1.0 * m)
     cost = [0.030]
     calls = slow_drafter(proposer, clock, cost)
-    for _ in range(300):
+    for _ in range(600):  # the switch, then windows that grow rarer until the drafter rests
         run.step()
     c = proposer.counters()
     assert c["guard"]["drafting_off_at_rows"] == [8] and c["steps_drafter_off"] > 100
@@ -370,8 +371,37 @@ def test_drafting_that_does_not_pay_for_its_drafter_rests_the_drafter():
     assert calls[0] - before <= 50 - resting and resting >= 40  # the drafter ran in windows only
     cost[0] = 0.0
     accepted = proposer.num_accepted
-    for _ in range(600):
+    for _ in range(1500):  # windows up to MAX_PERIOD apart now, sooner once they disagree
         run.step()
     c = proposer.counters()
     assert c["guard"]["drafting_off_at_rows"] == [] and c["guard"]["switches"] == 2
     assert c["drafter_catch_ups"] >= 1 and proposer.num_accepted - accepted > 8 * 300
+
+
+@pytest.mark.parametrize("every, rests", [(11, False), (100, True)])
+def test_the_drafter_rests_only_after_a_long_run_of_plain_steps(every, rests):
+    """A rest ends in a rebuild of the tries. A batch whose size goes back and
+    forth between a bucket where drafting is off and one where it is on (a
+    drafting step every 11) must not rebuild them each time: the drafter
+    rests only after REST_AFTER plain steps in a row."""
+    from consensus_spec.vllm.proposer import REST_AFTER
+
+    proposer = ConsensusProposer(stand_in())
+    clock = Clock()
+    proposer.clock = clock
+    run = Siblings(proposer, 8, [10 + (t * 3) % 10 for t in range(4000)], clock, linear_truth)
+    guard, calls = proposer.budget.guard, [0]
+
+    def drafts(batch):  # the guard's policy, scripted: off but for one step in `every`
+        calls[0] += 1
+        guard.off = calls[0] % every != 0
+        return not guard.off
+    guard.drafts = drafts
+    for _ in range(300):
+        run.step()
+    c = proposer.counters()
+    if rests:
+        assert c["steps_drafter_off"] == 3 * (every - 1 - REST_AFTER) and c["drafter_catch_ups"] == 3
+    else:
+        assert c["steps_drafter_off"] == 0 and c["drafter_catch_ups"] == 0
+    assert proposer.num_accepted > 0  # the drafting steps still draft

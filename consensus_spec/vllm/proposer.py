@@ -61,6 +61,10 @@ LOG_EVERY_S = 300.0  # clock seconds between INFO lines on what the budget learn
 IDLE_GAP = 20.0
 IDLE_MIN_S = 0.05
 IDLE_FIRST_S = 1.0  # before any usual gap is known
+# steps drafting is off by the guard's policy before the drafter rests: a rest
+# ends in a rebuild of the tries, so a batch going back and forth between sizes
+# where drafting is off and on rebuilds them at most once in this many steps
+REST_AFTER = 64
 
 
 class ConsensusProposer:
@@ -140,6 +144,7 @@ class ConsensusProposer:
         self._last_call_s = 0.0  # that call's own time
         self._last_guard_s = 0.0  # of it, what the guard charges (_propose)
         self._stale = False  # the tries missed steps the drafter skipped: rebuild before drafting
+        self._off_run = 0  # steps in a row the guard's policy kept plain (REST_AFTER)
         self._next_log = None
 
     def _warm_up(self) -> float:
@@ -272,15 +277,19 @@ class ConsensusProposer:
             # the guard weighs a plain step as a plain engine's: no host time of ours (no
             # clock read for it either: a replay's deterministic clock counts its reads)
             self._guard_s = 0.0
-            if self.budget.drafter_off:  # drafting does not pay for its drafter here: skip it
+            self._off_run = self._off_run + 1 if self.budget.drafter_off else 0
+            if self._off_run > REST_AFTER or (self._stale and self._off_run):
+                # drafting does not pay for its drafter here: the drafter rests
                 if not self._stale:
-                    logger.info("consensus_spec: drafting off at %d rows (it did not pay for the "
-                                "drafter's time); the drafter rests until a check says otherwise",
-                                num_rows)
+                    logger.info("consensus_spec: drafting off at %d rows for %d steps (it did not "
+                                "pay for the drafter's time); the drafter rests until a check "
+                                "says otherwise", num_rows, REST_AFTER)
                 self._stale = True
                 self._sent = None
                 self.steps_drafter_off += 1
                 return [[] for _ in range(num_rows)]
+        else:
+            self._off_run = 0
         if self._stale:
             tokens, probs, lengths = self._catch_up(token_ids_cpu, step.paths, room, floor)
         else:
