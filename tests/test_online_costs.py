@@ -378,6 +378,17 @@ def test_drafting_that_does_not_pay_for_its_drafter_rests_the_drafter():
     assert c["drafter_catch_ups"] >= 1 and proposer.num_accepted - accepted > 8 * 300
 
 
+def scripted_off(proposer, every):
+    """The guard's policy, scripted: drafting off but for one step in ``every``."""
+    guard, calls = proposer.budget.guard, [0]
+
+    def drafts(batch):
+        calls[0] += 1
+        guard.off = calls[0] % every != 0
+        return not guard.off
+    guard.drafts = drafts
+
+
 @pytest.mark.parametrize("every, rests", [(11, False), (100, True)])
 def test_the_drafter_rests_only_after_a_long_run_of_plain_steps(every, rests):
     """A rest ends in a rebuild of the tries. A batch whose size goes back and
@@ -390,13 +401,7 @@ def test_the_drafter_rests_only_after_a_long_run_of_plain_steps(every, rests):
     clock = Clock()
     proposer.clock = clock
     run = Siblings(proposer, 8, [10 + (t * 3) % 10 for t in range(4000)], clock, linear_truth)
-    guard, calls = proposer.budget.guard, [0]
-
-    def drafts(batch):  # the guard's policy, scripted: off but for one step in `every`
-        calls[0] += 1
-        guard.off = calls[0] % every != 0
-        return not guard.off
-    guard.drafts = drafts
+    scripted_off(proposer, every)
     for _ in range(300):
         run.step()
     c = proposer.counters()
@@ -405,3 +410,25 @@ def test_the_drafter_rests_only_after_a_long_run_of_plain_steps(every, rests):
     else:
         assert c["steps_drafter_off"] == 0 and c["drafter_catch_ups"] == 0
     assert proposer.num_accepted > 0  # the drafting steps still draft
+
+
+def test_the_drafter_rests_again_only_once_that_pays_for_the_rebuild():
+    """Where a rebuild costs 250 steps of the drafter's time, off runs of 99
+    steps do not pay for one: after the first rest the drafter keeps running."""
+    proposer = ConsensusProposer(stand_in())
+    clock = Clock()
+    proposer.clock = clock
+    run = Siblings(proposer, 8, [10 + (t * 3) % 10 for t in range(4000)], clock, linear_truth)
+    slow_drafter(proposer, clock, [0.001])
+    regroup = proposer._regroup
+
+    def slow_regroup(*a):
+        clock.now += 0.25
+        return regroup(*a)
+    proposer._regroup = slow_regroup
+    scripted_off(proposer, 100)
+    for _ in range(400):
+        run.step()
+    c = proposer.counters()
+    assert c["drafter_catch_ups"] == 1 and c["steps_drafter_off"] == 100 - 1 - 64
+    assert c["catch_up_ms_max"] >= 250.0

@@ -63,8 +63,9 @@ IDLE_MIN_S = 0.05
 IDLE_FIRST_S = 1.0  # before any usual gap is known
 # steps drafting is off by the guard's policy before the drafter rests: a rest
 # ends in a rebuild of the tries, so a batch going back and forth between sizes
-# where drafting is off and on rebuilds them at most once in this many steps
+# where drafting is off and on rebuilds them at most once in this many steps...
 REST_AFTER = 64
+REST_PAYBACK = 4.0  # ...and only once the drafter's time saved by then is this many rebuilds
 
 
 class ConsensusProposer:
@@ -145,6 +146,8 @@ class ConsensusProposer:
         self._last_guard_s = 0.0  # of it, what the guard charges (_propose)
         self._stale = False  # the tries missed steps the drafter skipped: rebuild before drafting
         self._off_run = 0  # steps in a row the guard's policy kept plain (REST_AFTER)
+        self._drafter_s = 0.0  # the drafter's usual call time (when it runs)
+        self._catch_up_s = 0.0  # the last rebuild after a rest
         self._next_log = None
 
     def _warm_up(self) -> float:
@@ -185,13 +188,15 @@ class ConsensusProposer:
             try:
                 start = self.clock()
                 self._tracked = False
-                self._guard_s, self._uncharged_s = None, 0.0
+                self._guard_s, self._uncharged_s, self._rested = None, 0.0, False
                 drafts = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, start)
                 self._failing = 0
                 self._last_end = end = self.clock()
                 self._last_call_s = end - start
                 self._last_guard_s = (self._last_call_s - self._uncharged_s if self._guard_s is None
                                       else self._guard_s)
+                if not self._rested:
+                    self._drafter_s += 0.1 * (self._last_call_s - self._uncharged_s - self._drafter_s)
                 return drafts
             except Exception as error:  # noqa: BLE001 - never take the engine down
                 self._last_end = None
@@ -277,14 +282,16 @@ class ConsensusProposer:
             # the guard weighs a plain step as a plain engine's: no host time of ours (no
             # clock read for it either: a replay's deterministic clock counts its reads)
             self._guard_s = 0.0
-            self._off_run = self._off_run + 1 if self.budget.drafter_off else 0
-            if self._off_run > REST_AFTER or (self._stale and self._off_run):
-                # drafting does not pay for its drafter here: the drafter rests
+            run = self._off_run = self._off_run + 1 if self.budget.drafter_off else 0
+            # drafting does not pay for its drafter here: the drafter rests, once that
+            # has lasted long enough to pay for the rebuild that ends a rest
+            if (self._stale and run) or (run > REST_AFTER and run * self._drafter_s
+                                         >= REST_PAYBACK * self._catch_up_s):
                 if not self._stale:
                     logger.info("consensus_spec: drafting off at %d rows for %d steps (it did not "
                                 "pay for the drafter's time); the drafter rests until a check "
-                                "says otherwise", num_rows, REST_AFTER)
-                self._stale = True
+                                "says otherwise", num_rows, run)
+                self._stale = self._rested = True
                 self._sent = None
                 self.steps_drafter_off += 1
                 return [[] for _ in range(num_rows)]
@@ -312,9 +319,9 @@ class ConsensusProposer:
         flight re-appended (:meth:`_regroup`; finished paths' outputs are not
         back), then this step's walks. The rebuild is left out of what the
         guard charges: it comes once per return, not per step."""
-        t0 = time.perf_counter()
+        t0 = self.clock()  # the clock the call is timed by (a replay's is virtual)
         held = self._regroup(token_ids_cpu)
-        self._uncharged_s = time.perf_counter() - t0
+        self._uncharged_s = self._catch_up_s = self.clock() - t0
         self._stale = False
         self.drafter_catch_ups += 1
         self.catch_up_ms_max = max(self.catch_up_ms_max, 1e3 * self._uncharged_s)
