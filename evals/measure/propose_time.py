@@ -27,17 +27,15 @@ Each phase's median and p99 per row-step over the calls.
 Last, both codes are driven in lock step on one deterministic clock, and
 every call's drafts must be the same (exit status 1 if not).
 
-In an engine a forward pass runs between two calls and leaves the caches
-cold (the weights stream through them); a replay's calls follow each other
-warm. ``--evict-mb N`` writes an N MB buffer before every timed call (not
-timed), as a forward pass would: on a 2-core AMD EPYC (Zen 3) 64 MB made
-every phase 2-3x slower, about what the proposer took live in README
-command 1 (docs/isa.md).
+A replay's calls follow each other with the caches warm; in an engine a forward
+pass between two calls leaves them cold. ``--evict-mb N`` writes an N MB buffer
+before each timed call, untimed, as a forward pass would (docs/host_time.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import sys
 import time
@@ -101,26 +99,15 @@ class TimedBudget:
 
     def __init__(self, budget, calls: Calls):
         self._budget = budget
-        for name in BUDGET_CALLS:
-            setattr(self, "_" + name.strip("_"), calls.timed(getattr(budget, name), "budget"))
+        for name in BUDGET_CALLS:  # instance attributes, but __call__ (looked up on the type)
+            setattr(self, "_call" if name == "__call__" else name,
+                    calls.timed(getattr(budget, name), "budget"))
 
     def __getattr__(self, name):
         return getattr(self._budget, name)
 
-    def floor(self, *a):
-        return self._floor(*a)
-
     def __call__(self, *a):
         return self._call(*a)
-
-    def observe(self, *a):
-        return self._observe(*a)
-
-    def observe_step(self, *a):
-        return self._observe_step(*a)
-
-    def observe_throughput(self, *a):
-        return self._observe_throughput(*a)
 
 
 def split_drafter(drafter, calls: Calls):
@@ -204,14 +191,9 @@ class Lockstep:
             c.step(rows, drafted)
 
 
-_BUFFERS: dict[int, np.ndarray] = {}
-
-
-def evict_buffer(mb: int) -> np.ndarray | None:
-    """The buffer ``--evict-mb`` writes before each call (one per size), or None."""
-    if mb and mb not in _BUFFERS:
-        _BUFFERS[mb] = np.zeros(mb << 17)  # 8-byte floats
-    return _BUFFERS.get(mb)
+@functools.lru_cache(maxsize=2)
+def evict_buffer(mb: int) -> np.ndarray | None:  # --evict-mb's buffer (one per size), or None
+    return np.zeros(mb << 17) if mb else None  # 8-byte floats
 
 
 def run_one(package, problems, rows: int, args, costs, phases: bool) -> dict:
@@ -340,15 +322,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--costs", default=DEFAULT_COSTS,
                     help="step-cost table the virtual clock runs on")
     ap.add_argument("--evict-mb", type=int, default=0,
-                    help="write a buffer of this many MB before each timed call (not timed): "
-                         "caches as cold as an engine's forward pass leaves them (0: warm)")
+                    help="write this many MB before each timed call, untimed: caches as cold "
+                         "as an engine's forward pass leaves them (0: warm)")
     add_option_arg(ap)
     ap.add_argument("--out", default="results/propose_time", help="output prefix (.json and .md)")
     args = ap.parse_args(argv)
-    if min(args.rows) < 1 or args.k < 1 or args.repeats < 1 or (args.limit or 1) < 1:
-        ap.error("--rows, --k, --repeats and --limit must be >= 1")
-    if not 0 <= args.evict_mb <= 4096:
-        ap.error("--evict-mb must be within 0..4096")
+    if min(args.rows) < 1 or args.k < 1 or args.repeats < 1 or (args.limit or 1) < 1 \
+            or not 0 <= args.evict_mb <= 4096:
+        ap.error("--rows, --k, --repeats and --limit must be >= 1, --evict-mb within 0..4096")
     args.options = parse_options(args.option)
     return args
 
