@@ -1,6 +1,7 @@
 """Step costs learned online, driven by a synthetic clock: the budget sees
 only the step times a known T(B, m) gives it, never the wall clock."""
 
+import logging
 from types import SimpleNamespace
 
 import numpy as np
@@ -390,7 +391,7 @@ def scripted_off(proposer, every):
 
 
 @pytest.mark.parametrize("every, rests", [(11, False), (100, True)])
-def test_the_drafter_rests_only_after_a_long_run_of_plain_steps(every, rests):
+def test_the_drafter_rests_only_after_a_long_run_of_plain_steps(every, rests, caplog):
     """A rest ends in a rebuild of the tries. A batch whose size goes back and
     forth between a bucket where drafting is off and one where it is on (a
     drafting step every 11) must not rebuild them each time: the drafter
@@ -402,11 +403,14 @@ def test_the_drafter_rests_only_after_a_long_run_of_plain_steps(every, rests):
     proposer.clock = clock
     run = Siblings(proposer, 8, [10 + (t * 3) % 10 for t in range(4000)], clock, linear_truth)
     scripted_off(proposer, every)
+    caplog.set_level(logging.INFO)
     for _ in range(300):
         run.step()
     c = proposer.counters()
     if rests:
         assert c["steps_drafter_off"] == 3 * (every - 1 - REST_AFTER) and c["drafter_catch_ups"] == 3
+        said = [r for r in caplog.records if "the drafter rests" in r.getMessage()]
+        assert [r.levelname for r in said] == ["INFO"]  # the first rest is said; later ones are counted
     else:
         assert c["steps_drafter_off"] == 0 and c["drafter_catch_ups"] == 0
     assert proposer.num_accepted > 0  # the drafting steps still draft

@@ -287,10 +287,11 @@ class ConsensusProposer:
             # has lasted long enough to pay for the rebuild that ends a rest
             if (self._stale and run) or (run > REST_AFTER and run * self._drafter_s
                                          >= REST_PAYBACK * self._catch_up_s):
-                if not self._stale:
-                    logger.info("consensus_spec: drafting off at %d rows for %d steps (it did not "
-                                "pay for the drafter's time); the drafter rests until a check "
-                                "says otherwise", num_rows, run)
+                if not self._stale:  # INFO the first time; each later rest (after a window) DEBUG
+                    logger.log(logging.DEBUG if self.drafter_catch_ups else logging.INFO,
+                               "consensus_spec: drafting off at %d rows for %d steps (it did not "
+                               "pay for the drafter's time); the drafter rests until a check says "
+                               "otherwise (counters: steps_drafter_off)", num_rows, run)
                 self._stale = self._rested = True
                 self._sent = None
                 self.steps_drafter_off += 1
