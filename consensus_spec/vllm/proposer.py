@@ -188,14 +188,14 @@ class ConsensusProposer:
             try:
                 start = self.clock()
                 self._tracked = False
-                self._guard_s, self._uncharged_s, self._rested = None, 0.0, False
+                self._guard_s, self._uncharged_s = None, 0.0
                 drafts = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, start)
                 self._failing = 0
                 self._last_end = end = self.clock()
                 self._last_call_s = end - start
                 self._last_guard_s = (self._last_call_s - self._uncharged_s if self._guard_s is None
                                       else self._guard_s)
-                if not self._rested:
+                if not self._stale:  # the drafter ran (a rest leaves the tries stale)
                     self._drafter_s += 0.1 * (self._last_call_s - self._uncharged_s - self._drafter_s)
                 return drafts
             except Exception as error:  # noqa: BLE001 - never take the engine down
@@ -292,7 +292,7 @@ class ConsensusProposer:
                                "consensus_spec: drafting off at %d rows for %d steps (it did not "
                                "pay for the drafter's time); the drafter rests until a check says "
                                "otherwise (counters: steps_drafter_off)", num_rows, run)
-                self._stale = self._rested = True
+                self._stale = True
                 self._sent = None
                 self.steps_drafter_off += 1
                 return [[] for _ in range(num_rows)]
@@ -322,8 +322,7 @@ class ConsensusProposer:
         guard charges: it comes once per return, not per step."""
         t0 = self.clock()  # the clock the call is timed by (a replay's is virtual)
         held = self._regroup(token_ids_cpu)
-        self._uncharged_s = self._catch_up_s = self.clock() - t0
-        self._stale = False
+        self._uncharged_s = self._catch_up_s = self.clock() - t0  # _regroup: no longer stale
         self.drafter_catch_ups += 1
         self.catch_up_ms_max = max(self.catch_up_ms_max, 1e3 * self._uncharged_s)
         logger.debug("consensus_spec: drafting back on; %d rows re-appended in %.1f ms", held,
