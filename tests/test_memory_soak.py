@@ -143,7 +143,7 @@ def test_the_math_verify_helper_and_its_caches_stay_bounded():
     import random
 
     from consensus_spec.voting.answers import canonicalize
-    from consensus_spec.voting.equivalence import _MathEngine
+    from consensus_spec.voting.equivalence import MathEngine
     from tests.server_soak import rss_kb
 
     rng = random.Random(0)
@@ -153,7 +153,7 @@ def test_the_math_verify_helper_and_its_caches_stay_bounded():
         return rng.choice([f"\\frac{{{a}}}{{{b}}}", f"{a}/{b}", f"x^{c}+{a}", f"\\sqrt{{{a}}}",
                            f"{c}\\pi", f"({a}+{c})/{b}"])
 
-    engine = _MathEngine()
+    engine = MathEngine()
     engine.CACHE_SIZE = 200
     rss = []
     try:

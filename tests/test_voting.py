@@ -9,7 +9,7 @@ import threading
 import math_verify  # noqa: F401 - declared dependency: a missing one fails, never skips
 import pytest
 
-from consensus_spec.voting.equivalence import _MathEngine  # noqa: E402
+from consensus_spec.voting.equivalence import MathEngine  # noqa: E402
 from consensus_spec.voting.vote import (  # noqa: E402
     best_of_n,
     cluster_answers,
@@ -117,9 +117,9 @@ def test_n64_is_fast_and_parses_once_per_distinct_answer(monkeypatch):
     assert len(r.classes) == 3 + 20  # 12, 13, x^2+1 and the 20 distinct ones
     # parses and verdicts are cached now: a second vote asks the sympy worker nothing
     calls = []
-    real = _MathEngine._call
-    monkeypatch.setattr(_MathEngine, "_call",
-                        lambda self, *a, **k: calls.append(a) or real(self, *a, **k))
+    real = MathEngine._call
+    monkeypatch.setattr(MathEngine, "_call",
+                       lambda self, *a, **k: calls.append(a) or real(self, *a, **k))
     again = timed(60, majority_vote, answers)
     assert calls == [] and again.assignment == r.assignment
 

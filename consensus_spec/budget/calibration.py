@@ -16,16 +16,18 @@ MIN_WEIGHT = 1e-9  # a bin's trials below which it keeps its rate instead of dec
 
 
 @kernel
-def _bin(p, bins):
+def bin_of(p, bins):
     """Calibration bin of an estimate (clamped to [0, 1])."""
     return min(max(int(p * bins), 0), bins - 1)
 
 
 @kernel
-def _calibrate(p, rate):
+def calibrate(p, rate):
+    """The observed acceptance rate of estimate ``p``'s bin (``p`` itself
+    when ``rate`` has no bins)."""
     if rate.shape[0] == 0:
         return p
-    return rate[_bin(p, rate.shape[0])]
+    return rate[bin_of(p, rate.shape[0])]
 
 
 @kernel
@@ -37,7 +39,7 @@ def _first_bin_above(hits, trials, rate):
 
 
 @kernel
-def _lowest_estimate_above(hits, trials, rate):
+def lowest_estimate_above(hits, trials, rate):
     """An estimate below which every bin's observed rate is at most ``rate``."""
     return max(0.0, (_first_bin_above(hits, trials, rate) - 1e-6) / hits.shape[0])
 
@@ -47,7 +49,7 @@ def _calibrated(probs, rate, out):
     for i in range(probs.shape[0]):
         low = 1.0
         for j in range(probs.shape[1]):
-            low = min(low, _calibrate(probs[i, j], rate))
+            low = min(low, calibrate(probs[i, j], rate))
             out[i, j] = low
 
 
@@ -68,7 +70,7 @@ def _observe(probs, sent, accepted, hits, trials, decay):
             trials[b] *= decay
     for i in range(probs.shape[0]):
         for j in range(min(sent[i], probs.shape[1])):
-            b = _bin(probs[i, j], bins)
+            b = bin_of(probs[i, j], bins)
             trials[b] += 1.0
             if j < accepted[i]:
                 hits[b] += 1.0
@@ -97,7 +99,7 @@ class AcceptanceCalibrator:
 
     def lowest_estimate_above(self, rate: float) -> float:
         """An estimate below which every bin's observed rate is at most ``rate``."""
-        return _lowest_estimate_above(self._hits, self._trials, rate)
+        return lowest_estimate_above(self._hits, self._trials, rate)
 
     def counts(self) -> tuple[np.ndarray, np.ndarray]:
         """Accepted and judged draft tokens per bin (decayed, prior included):

@@ -107,8 +107,8 @@ class MeasuredStepCosts(OnlineStepCosts):
             s[COUNT] = SEED_WEIGHT
             s[NOISE] = (max(float(np.mean(noises)), MIN_NOISE) * level) ** 2
             prec, rhs, out = np.empty((3, 3)), np.empty(3), np.empty(3)
-            online._posterior(state, b, level, prec, rhs)
-            online._fit(prec, rhs, out)
+            online.posterior(state, b, level, prec, rhs)
+            online.fit(prec, rhs, out)
             s[THETA:THETA + 3] = out
             self._settle(b)
             s[DRAFTER], s[DRAFTER_N] = drafter, 1.0  # the drafter's real time replaces it at once
@@ -169,7 +169,7 @@ class MeasuredStepCosts(OnlineStepCosts):
         slope_tol = max(SLOPE_TOL * abs(float(ref @ more)) / level, EXPLORE_STEP_SHARE)
         for v, tol in ((at, LEVEL_TOL), (more, slope_tol)):
             diff = abs(float((theta - ref) @ v)) / level
-            sd = online._contrast_sd(self._state, b, v[0], v[1], v[2]) / level
+            sd = online.contrast_sd(self._state, b, v[0], v[1], v[2]) / level
             if diff > max(AGREE_SIGMAS * sd, tol):
                 return False
         return True

@@ -85,7 +85,7 @@ def _solve(m, v, free, out):
 
 
 @kernel
-def _fit(prec, rhs, out):
+def fit(prec, rhs, out):
     """Posterior mean with the cost coefficients c1, c2 kept >= 0 (a step
     never gets cheaper with more tokens): the unconstrained solution, else
     the best with the negative one held at 0, else a alone."""
@@ -125,7 +125,7 @@ REF, MEASURED, WIDTH = 26, 29, 30  # a measured prior's fit and whether it still
 
 
 @kernel
-def _posterior(state, b, scale, prec, rhs):
+def posterior(state, b, scale, prec, rhs):
     """Precision matrix and right-hand side of bucket b's posterior. The
     prior on c2 is centred on r * a (r: the prior's third entry), and every
     prior spread is relative to the step's scale (a): the prior speaks in
@@ -154,7 +154,7 @@ def _posterior(state, b, scale, prec, rhs):
 def _predictive_var(state, b, x1, x2):
     """Variance of a new step's relative time at features (1, x1, x2): the
     noise plus the fit's own uncertainty there."""
-    sd = _contrast_sd(state, b, 1.0, x1, x2)
+    sd = contrast_sd(state, b, 1.0, x1, x2)
     return state[b, NOISE] + sd * sd
 
 
@@ -186,9 +186,9 @@ def _observe(state, b, x1, x2, y, drafter, per_row):
             s[XTX + 3 * i + j] = DECAY * s[XTX + 3 * i + j] + x[i] * x[j]
     prec = np.empty((3, 3))
     rhs = np.empty(3)
-    _posterior(state, b, s[THETA] if s[COUNT] > 1.5 else y, prec, rhs)
+    posterior(state, b, s[THETA] if s[COUNT] > 1.5 else y, prec, rhs)
     out = np.empty(3)
-    _fit(prec, rhs, out)
+    fit(prec, rhs, out)
     s[THETA], s[THETA + 1], s[THETA + 2] = out[0], out[1], out[2]
     # the drafter's time: an eviction or a hiccup is counted, not believed
     n = s[DRAFTER_N]
@@ -203,7 +203,7 @@ def _observe(state, b, x1, x2, y, drafter, per_row):
 
 
 @kernel
-def _table(state, b, base, inc, batch, shade, drafter, out):
+def table(state, b, base, inc, batch, shade, drafter, out):
     """out[m]: predicted step time (ms) with m draft tokens."""
     s = state[b]
     a, c1, c2 = max(s[THETA], 1e-3), s[THETA + 1], s[THETA + 2]
@@ -214,7 +214,7 @@ def _table(state, b, base, inc, batch, shade, drafter, out):
 
 
 @kernel
-def _first_token_cost(state, b, inc, shade, batch):
+def first_token_cost(state, b, inc, shade, batch):
     """Bucket b's cost of one draft token per step relative to the step
     without drafts (the drafter's time in both), its draft-token cost
     scaled by ``1 + shade``; ``inc``: the prior's increments at ``batch``."""
@@ -225,11 +225,11 @@ def _first_token_cost(state, b, inc, shade, batch):
 
 
 @kernel
-def _contrast_sd(state, b, v0, v1, v2):
+def contrast_sd(state, b, v0, v1, v2):
     """Posterior standard deviation of (v0, v1, v2) . theta in bucket b."""
     prec = np.empty((3, 3))
     rhs = np.empty(3)
-    _posterior(state, b, state[b, THETA], prec, rhs)
+    posterior(state, b, state[b, THETA], prec, rhs)
     v = np.array([v0, v1, v2])
     out = np.empty(3)
     _solve(prec, v, np.ones(3, np.bool_), out)
@@ -336,7 +336,7 @@ class OnlineStepCosts:
         if out is None:
             out = np.empty(tokens + 1)
         base, inc = self._prior_at(batch, len(out) - 1)
-        _table(self._state, b, base, inc, batch, shade, drafter, out)
+        table(self._state, b, base, inc, batch, shade, drafter, out)
         return out
 
     def uncertainty(self, batch: int) -> tuple[float, float]:
@@ -348,7 +348,7 @@ class OnlineStepCosts:
         m = int(round(s[DRAFTED] * batch))
         _, inc = self._prior_at(batch, m + batch)
         v2 = inc[m + batch] - inc[m]
-        sd = _contrast_sd(self._state, b, 0.0, 1.0, v2)
+        sd = contrast_sd(self._state, b, 0.0, 1.0, v2)
         a = max(s[THETA], 1e-3)
         return sd / max(abs(s[THETA + 1] + s[THETA + 2] * v2), 0.01 * a), sd / a
 
@@ -379,8 +379,8 @@ class OnlineStepCosts:
 
     def fit_inputs(self, batch: int, tokens: int) -> tuple:
         """What a kernel needs to build :meth:`step_ms`'s table for up to
-        ``tokens`` draft tokens itself (``_table``) or the cost of a first
-        draft token (``_first_token_cost``): the state, the bucket of
+        ``tokens`` draft tokens itself (``table``) or the cost of a first
+        draft token (``first_token_cost``): the state, the bucket of
         ``batch``, the prior's one-token step and its increments."""
         last = self._last_fit  # the common call: the batch size of the call before
         if last[0] == batch and len(last[2]) > tokens:

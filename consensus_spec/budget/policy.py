@@ -9,11 +9,11 @@ import numpy as np
 
 from ..jit import Kernels
 from . import calibration, online
-from .calibration import AcceptanceCalibrator, _bin, _calibrate, _lowest_estimate_above  # noqa: F401
+from .calibration import AcceptanceCalibrator, bin_of, calibrate, lowest_estimate_above  # noqa: F401
 from .cost_models import StepCostModel
 from .guard import DraftingGuard
 from .measured import MeasuredStepCosts
-from .online import _first_token_cost, _table  # noqa: F401  (bound compiled)
+from .online import first_token_cost, table  # noqa: F401  (bound compiled)
 
 kernel = Kernels(globals(), uses=(calibration.kernel, online.kernel))
 
@@ -74,7 +74,7 @@ def _ranked(probs, lengths, rate, chance, row):
     for i in range(probs.shape[0]):
         low = 0  # the draft's lowest chance so far, as a level (higher: less likely)
         for j in range(min(lengths[i], k)):
-            low = max(low, level_of[_bin(probs[i, j], bins)])
+            low = max(low, level_of[bin_of(probs[i, j], bins)])
             level[t], row[t], chance[t] = low, i, value[low]
             count[low + 1] += 1
             t += 1
@@ -131,7 +131,7 @@ def _value(probs, chosen, batch, step_ms, rate):
     for i in range(chosen.shape[0]):
         low = 1.0
         for j in range(chosen[i]):
-            low = min(low, min(1.0, _calibrate(probs[i, j], rate)))
+            low = min(low, min(1.0, calibrate(probs[i, j], rate)))
             gain += low
             kept += 1
     return gain / step_ms[min(kept, step_ms.shape[0] - 1)]
@@ -163,7 +163,7 @@ def _raise(hits, trials, slack, batch, safe):
     if slack[batch, 0] <= 0.0:
         return safe, 0.0
     x = slack[batch, 0] * slack[batch, 1]
-    floor = _lowest_estimate_above(hits, trials, x)
+    floor = lowest_estimate_above(hits, trials, x)
     if floor > safe:
         return floor, x
     return safe, 0.0
@@ -192,7 +192,7 @@ def _floor_for_cost(hits, trials, cost, slack, batch):
     beat: (the floor, the safe floor, the chance it was raised for or 0).
     The safe floor is the lowest estimate whose calibrated rate beats
     ``cost``; it may be raised (:func:`_raise`)."""
-    safe = _lowest_estimate_above(hits, trials, cost)
+    safe = lowest_estimate_above(hits, trials, cost)
     floor, x = _raise(hits, trials, slack, batch, safe)
     return floor, safe, x
 
@@ -208,30 +208,30 @@ def _floor_on_fit(state, b, inc, shade, batch, hits, trials, slack):
     """:meth:`DraftBudget.floor` with learned costs, as
     :func:`_floor_for_cost` with the first draft token's cost; an exploring
     step's (``shade`` != 0) is never raised."""
-    cost = batch * _first_token_cost(state, b, inc, shade, batch)
+    cost = batch * first_token_cost(state, b, inc, shade, batch)
     if shade != 0.0:
-        safe = _lowest_estimate_above(hits, trials, cost)
+        safe = lowest_estimate_above(hits, trials, cost)
         return safe, safe, 0.0
     return _floor_for_cost(hits, trials, cost, slack, batch)
 
 
 @kernel
-def _choose_on_fit(probs, lengths, batch, state, b, base, inc, hits, trials, out, table, rate,
+def _choose_on_fit(probs, lengths, batch, state, b, base, inc, hits, trials, out, scratch, rate,
                    slack, raised):
-    """:func:`_choose` on the step times a fit gives (``_table``, the
+    """:func:`_choose` on the step times a fit gives (``table``, the
     drafter's time in, no shade) with the rates ``hits / trials``: an
-    ordinary step of :meth:`DraftBudget.__call__` in one call (``table``
+    ordinary step of :meth:`DraftBudget.__call__` in one call (``scratch``
     and ``rate``: scratch). ``raised``: the chance the walks' floor was
     raised for (0: not raised). Returns the most tokens it could keep (< 0:
     nothing done) and whether the walks must be made again (:func:`_settle`)."""
     tokens = _most_kept(lengths, probs.shape[1])
-    if tokens < 0 or tokens >= table.shape[0] or tokens >= inc.shape[0]:
+    if tokens < 0 or tokens >= scratch.shape[0] or tokens >= inc.shape[0]:
         return -1, raised > 0.0
     for i in range(hits.shape[0]):
         rate[i] = hits[i] / trials[i]
     # one entry past the most it can keep: the slack of keeping them all
-    step_ms = table[:min(tokens + 2, table.shape[0], inc.shape[0])]
-    _table(state, b, base, inc, batch, 0.0, True, step_ms)
+    step_ms = scratch[:min(tokens + 2, scratch.shape[0], inc.shape[0])]
+    table(state, b, base, inc, batch, 0.0, True, step_ms)
     return tokens, _choose_settled(probs, lengths, batch, step_ms, rate, out, slack, raised)
 
 

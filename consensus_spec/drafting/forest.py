@@ -233,7 +233,7 @@ class SuffixForest:
 
     def root_sizes(self, roots) -> np.ndarray:
         """Nodes in each trie rooted at ``roots`` (slow: for tests and reports)."""
-        return K._root_sizes(self._nodes, self._state, self.half, self._roots(roots))
+        return K.root_sizes(self._nodes, self._state, self.half, self._roots(roots))
 
     def _roots(self, roots) -> np.ndarray:
         roots = np.asarray(roots, np.int64).reshape(-1)
@@ -279,7 +279,7 @@ class SuffixForest:
         rows, begins, ends = (np.asarray(a, np.int64) for a in (rows, begins, ends))
         if nodes.ndim != 2 or not len(nodes) == len(rows) == len(begins) == len(ends):
             raise ValueError("need nodes (R, S) and rows, begins, ends of length R")
-        out, _ = self._run(K._extend, (nodes, _as_buffer(buffer), rows, begins, ends))
+        out, _ = self._run(K.extend, (nodes, _as_buffer(buffer), rows, begins, ends))
         return out
 
     def _grow_drafts(self, rows: int, width: int) -> None:
@@ -343,7 +343,7 @@ class SuffixForest:
         if not nodes_a.shape == nodes_b.shape == max_tokens.shape or nodes_a.ndim != 1:
             raise ValueError("nodes_a, nodes_b and max_tokens must be equal-length 1-D")
         t0, t1 = self._tables
-        toks, probs, lens, err = K._draft(
+        toks, probs, lens, err = K.draft(
             self._nodes, t0, t1, self._shift, self.half, self._state, self.max_depth,
             nodes_a, nodes_b, float(weight_b), max_tokens, int(k), float(min_prob),
             int(min_match), float(prior))

@@ -196,7 +196,7 @@ def extend_into(nodes, t0, t1, shift, half, state, max_depth, starts, buf, rows,
 
 
 @kernel
-def _extend(nodes, t0, t1, shift, half, state, max_depth, starts, buf, rows, begins, ends):
+def extend(nodes, t0, t1, shift, half, state, max_depth, starts, buf, rows, begins, ends):
     """:func:`extend_into` into a new array: (new nodes, error or 0, tokens
     per sequence, half lacking room or -1)."""
     out = starts.copy()
@@ -287,8 +287,10 @@ def draft_into(nodes, t0, t1, shift, half, max_depth, start, max_tokens, weight_
 
 
 @kernel
-def _draft(nodes, t0, t1, shift, half, state, max_depth, nodes_a, nodes_b, weight_b,
-           max_tokens, k, min_prob, min_match, prior):
+def draft(nodes, t0, t1, shift, half, state, max_depth, nodes_a, nodes_b, weight_b,
+          max_tokens, k, min_prob, min_match, prior):
+    """:func:`draft_into` into new (rows, k) arrays, row i from nodes
+    ``nodes_a[i]`` and ``nodes_b[i]``: (tokens, chances, lengths, error or 0)."""
     rows = nodes_a.shape[0]
     toks = np.zeros((rows, k), np.int32)
     probs = np.zeros((rows, k), np.float64)
@@ -327,7 +329,7 @@ def room(state, half, slots, young, rotate_at, old_full_at):
 
 
 @kernel
-def _root_sizes(nodes, state, half, roots):
+def root_sizes(nodes, state, half, roots):
     """Nodes in each of the tries rooted at ``roots`` (a walk up the suffix
     links from every node: for tests and reports, not the hot path)."""
     index = np.full(2 * half, -1, np.int32)

@@ -11,6 +11,7 @@ TRAINING.md to ``--out``.
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import platform
 import random
@@ -159,8 +160,6 @@ def main(argv=None):
 
 def save(model, tok, args, out):
     """Save a bf16 copy of ``model`` plus tokenizer files to ``out``."""
-    import copy
-
     out.mkdir(parents=True, exist_ok=True)
     model = copy.deepcopy(model).to(torch.bfloat16)
     model.config.dtype = torch.bfloat16

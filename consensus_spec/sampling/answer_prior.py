@@ -46,7 +46,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["AnswerPrior", "GRID_STEP"]
+__all__ = ["AnswerPrior", "GRID_STEP", "overtake"]
 
 GRID_STEP = 0.025  # grid spacing of (p1, p2)
 MIX_UNIFORM = 0.02  # share of the fitted prior spread evenly: no split is ruled out
@@ -288,7 +288,7 @@ class AnswerPrior:
             return hit
         flip = total = 0.0
         for w, gap, way in self._posterior(lead, second, other, weights):
-            flip += float(w @ _overtake(gap, remaining)[way])
+            flip += float(w @ overtake(gap, remaining)[way])
             total += float(w.sum())
         return self._remember(key, version, min(1.0, max(0.0, flip / total)))
 
@@ -329,7 +329,7 @@ class AnswerPrior:
 
 
 @lru_cache(maxsize=2048)  # about 14 MB at most
-def _overtake(d: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+def overtake(d: int, m: int) -> tuple[np.ndarray, np.ndarray]:
     """Per grid cell, P(the runner-up gains more than ``d`` on the leader in
     ``m`` more paths), with the leader holding p1 and the runner-up p2, and
     the other way round.  For shares (a, b): condition on T, the paths that

@@ -86,7 +86,7 @@ import numpy as np
 
 from ..voting.answers import DEFAULT_TIMEOUT_S
 from ..voting.vote import cluster_answers
-from .answer_prior import AnswerPrior
+from .answer_prior import AnswerPrior, overtake
 
 __all__ = ["KINDS", "MAIN_FIELD", "PEERS", "SPEND_EXPONENT", "AnswerPrior", "StopRule", "sequential_boundary",
            "should_stop", "should_stop_ids", "stop_answer", "tally"]
@@ -426,8 +426,7 @@ def lru_sizes(*functions) -> dict[str, list[int]]:
 
 def cache_sizes() -> dict[str, list[int]]:
     """The stop rules' memos (a server reports them: bounded, however long it runs)."""
-    from .answer_prior import _overtake
-    return lru_sizes(sequential_boundary, _beta_confidence, _flip_probability, _overtake)
+    return lru_sizes(sequential_boundary, _beta_confidence, _flip_probability, overtake)
 
 
 def _betabinom_pmf(k, n, a: float, b: float):

@@ -25,11 +25,13 @@ failing record is counted and, after a few, recording stops.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Callable
 
 from ..budget import cost_model
 from ..budget.row_costs import RowStepCosts
+from . import PLUGIN_NAME
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -115,10 +117,6 @@ def _prior_for(vllm_config) -> str:
 
 
 def _endpoint_named() -> bool:
-    import os
-
-    from . import PLUGIN_NAME
-
     allowed = os.environ.get("VLLM_PLUGINS")
     return allowed is not None and PLUGIN_NAME in [p.strip() for p in allowed.split(",")]
 

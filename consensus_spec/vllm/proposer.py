@@ -29,6 +29,8 @@ import time
 import numpy as np
 
 from ..budget import AUTO, DraftBudget, cost_model
+from ..budget.online import PRIOR_CACHE
+from ..budget.policy import STEP_CACHE
 from ..drafting.drafter import ConsensusDrafter
 from ..drafting.forest import TOKEN_LIMIT
 from . import compat
@@ -276,7 +278,7 @@ class ConsensusProposer:
         if len(self._room) < m:
             self._room = np.zeros(2 * m, np.int64)
         room = self._room[:m]  # min(max_model_len - 1 - ends, k) (< 0: none), no numpy temporaries
-        row_kernels._room(step.ends, self.max_model_len - 1, self.num_speculative_tokens, room)
+        row_kernels.room(step.ends, self.max_model_len - 1, self.num_speculative_tokens, room)
         floor = self.budget.floor(num_rows) if self.budget is not None else None
         if self.budget is not None and self.budget.plain_step:
             # the guard weighs a plain step as a plain engine's: no host time of ours (no
@@ -335,7 +337,7 @@ class ConsensusProposer:
         if len(self._offsets) <= num_rows or len(self._flat) < tokens.size:
             self._offsets = np.zeros(2 * num_rows + 1, np.int64)
             self._flat = np.zeros(2 * tokens.size, np.int64)
-        n = row_kernels._pack(rows, tokens, lengths, num_rows, self._flat, self._offsets)
+        n = row_kernels.pack(rows, tokens, lengths, num_rows, self._flat, self._offsets)
         self.num_drafted += n
         flat, at = self._flat[:n].tolist(), self._offsets[:num_rows + 1].tolist()
         return [flat[a:b] for a, b in zip(at, at[1:])]
@@ -437,9 +439,6 @@ class ConsensusProposer:
         life, however many requests pass (where each bound is set: the
         docstrings of :mod:`consensus_spec.drafting.drafter` and
         :mod:`.rows`); the arena's bytes are fixed at start."""
-        from ..budget.online import PRIOR_CACHE
-        from ..budget.policy import STEP_CACHE
-
         o = self.drafter_options
         paths = self._max_num_seqs + self.rows.max_parked  # rows in the batch, plus the parked
         return {"trie_nodes": o.max_trie_nodes,

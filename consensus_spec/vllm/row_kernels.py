@@ -42,7 +42,7 @@ tokens the drafter would read include an id outside ``[0, token_limit)``
 sits the step out alone and its path is freed, to be resumed once the row
 makes sense again (``rows_rejected`` counts these). Other rows, its
 siblings included, go on as if it were not there.
-One compiled call per step (``_match``) matches every row, parks the
+One compiled call per step (``match``) matches every row, parks the
 paths no row continues and resumes parked ones (:mod:`.parking`), into
 buffers the tracker keeps; only new paths go back to Python (:mod:`.rows`),
 one call per step for all of them.
@@ -60,7 +60,7 @@ from .parking import park, unpark  # noqa: F401  (bound compiled)
 
 TAIL = 4          # last tokens compared for an exact continuation
 MAX_MISSED = 64   # tokens a parked path may have advanced during missed steps
-_IDLE, _EXACT, _OTHER = 0, 1, 2  # row states from _match
+IDLE, EXACT, OTHER = 0, 1, 2  # row states (rs[2]) from match: no new tokens, its path continued, other
 _ZERO = EMPTY  # hash of no tokens
 
 kernel = Kernels(globals(), uses=(P.kernel, keymap.kernel))
@@ -123,8 +123,8 @@ def _in_range(token_ids, i, begin, end, limit):
 
 
 @kernel
-def _match(counts, ends, token_ids, token_limit, rs, hs, tails, window, flags, idx, scratch, out,
-           contiguous, keys, parked, table, meta, key_free, max_parked, max_per_key, released):
+def match(counts, ends, token_ids, token_limit, rs, hs, tails, window, flags, idx, scratch, out,
+          contiguous, keys, parked, table, meta, key_free, max_parked, max_per_key, released):
     """Find each row's path (one call per step; nothing allocated).
 
     Per row: ``rs`` rows path (-1: none), length, state, and last step's
@@ -157,26 +157,26 @@ def _match(counts, ends, token_ids, token_limit, rs, hs, tails, window, flags, i
             free[i] = old_path[i] >= 0
             path[i], lens[i] = -1, -1
         elif counts[i] == 0:
-            state[i] = _IDLE
+            state[i] = IDLE
         elif counts[i] < 0 or ends[i] > width or ends[i] < counts[i] or not _in_range(
                 token_ids, i, ends[i] - counts[i], ends[i], token_limit):
             # garbage: this row alone sits the step out and starts clean
-            state[i], counts[i] = _IDLE, 0
+            state[i], counts[i] = IDLE, 0
             free[i] = old_path[i] >= 0
             path[i], lens[i] = -1, -1
             rejected += 1
         else:
             base = ends[i] - counts[i]
             if base == old_lens[i] and _continues(token_ids, i, base, old_tail[i]):
-                state[i] = _EXACT
+                state[i] = EXACT
             elif not _in_range(token_ids, i, 0, base, token_limit):  # all of it is read
-                state[i], counts[i] = _IDLE, 0
+                state[i], counts[i] = IDLE, 0
                 free[i] = old_path[i] >= 0
                 path[i], lens[i] = -1, -1
                 rejected += 1
                 continue
             else:
-                state[i] = _OTHER
+                state[i] = OTHER
                 free[i] = old_path[i] >= 0
                 if 0 < old_lens[i] < base and _continues(token_ids, i, old_lens[i], old_tail[i]):
                     lagged = True  # this row caught up, so moved paths may have advanced too
@@ -188,23 +188,23 @@ def _match(counts, ends, token_ids, token_limit, rs, hs, tails, window, flags, i
     while n_pending:  # exact rows a free path may have moved into; O(length) each
         demoted[:] = False
         for i in range(num_rows):
-            if state[i] == _EXACT \
+            if state[i] == EXACT \
                     and _shadowed(token_ids, i, pending[:n_pending], old_lens, old_tail, old_hash,
                                   lagged) \
                     and _extend(_ZERO, token_ids, i, 0, old_lens[i]) != old_hash[i]:
-                state[i] = _OTHER
+                state[i] = OTHER
                 free[i] = demoted[i] = old_path[i] >= 0
         n_pending = _where(demoted, pending)  # its path is free now: check the others against it
         n_cand = _where(free, cand)
     m = moved = missed = 0
     hashed, hashed_end = -1, 0  # the row whose prefix hashes scratch holds
     for i in range(num_rows):
-        if state[i] == _IDLE:
+        if state[i] == IDLE:
             continue
         end = ends[i]
         base = end - counts[i]
         begin, who = base, -1
-        if state[i] == _EXACT:
+        if state[i] == EXACT:
             who = i
             hashes[i] = _extend(old_hash[i], token_ids, i, base, end)
         else:  # caught up in its own row after missed steps, else moved here
@@ -234,7 +234,7 @@ def _match(counts, ends, token_ids, token_limit, rs, hs, tails, window, flags, i
         for t in range(TAIL):
             tail[i, t] = token_ids[i, max(end - TAIL + t, 0)]
         out[0, m], out[1, m], out[2, m], out[3, m] = i, path[i], begin, end
-        contiguous[m] = state[i] == _EXACT
+        contiguous[m] = state[i] == EXACT
         m += 1
     n_released = 0
     for c in range(n_cand):  # former paths no row took, in row order
@@ -275,7 +275,7 @@ def _where(mask, out):
 
 
 @kernel
-def _accepted(rows, paths, sent, path, state, counts, accepted):
+def accepted(rows, paths, sent, path, state, counts, accepted):
     """Tokens the verifier kept of each draft sent last step, into
     ``accepted``; 0 (and nothing sent) where the row no longer holds that
     path contiguously. Returns their sum and the sum of ``sent`` after."""
@@ -283,7 +283,7 @@ def _accepted(rows, paths, sent, path, state, counts, accepted):
     for j in range(rows.shape[0]):
         i = rows[j]
         accepted[j] = 0
-        if sent[j] > 0 and i < counts.shape[0] and state[i] == _EXACT and path[i] == paths[j]:
+        if sent[j] > 0 and i < counts.shape[0] and state[i] == EXACT and path[i] == paths[j]:
             accepted[j] = min(counts[i] - 1, sent[j])
             kept += accepted[j]
             judged += sent[j]
@@ -293,7 +293,7 @@ def _accepted(rows, paths, sent, path, state, counts, accepted):
 
 
 @kernel
-def _pack(rows, tokens, lengths, num_rows, flat, offsets):
+def pack(rows, tokens, lengths, num_rows, flat, offsets):
     """The drafts in batch-row order, for vLLM's lists: row ``rows[j]``
     (increasing) drafts ``tokens[j, :lengths[j]]``, every other row nothing;
     row i's are ``flat[offsets[i]:offsets[i + 1]]``. Returns their number."""
@@ -310,7 +310,7 @@ def _pack(rows, tokens, lengths, num_rows, flat, offsets):
 
 
 @kernel
-def _room(ends, limit, k, out):
+def room(ends, limit, k, out):
     """``out[i] = min(limit - ends[i], k)``: how many draft tokens row i may
     get (< 0: none), as ``np.minimum(limit - ends, k)`` would give it."""
     for i in range(ends.shape[0]):

@@ -132,7 +132,7 @@ class RowTracker:
         self.tokens_missed = 0  # tokens generated while no propose call saw them
         self.rows_rejected = 0  # row-steps skipped for inconsistent inputs
 
-    # per row: path (-1: none), path length (-1: none), state this step (K._IDLE...)
+    # per row: path (-1: none), path length (-1: none), state this step (K.IDLE...)
     _path = property(lambda self: self._rs[0])
     _lens = property(lambda self: self._rs[1])
     _state = property(lambda self: self._rs[2])
@@ -199,7 +199,7 @@ class RowTracker:
         self._counts = counts
         self._flip = flip = self._flip ^ 1
         out, contiguous = self._out[flip], self._contiguous[flip]
-        (m, released, moved, missed, unresolved, rejected, resumed, self._step_tokens) = K._match(
+        (m, released, moved, missed, unresolved, rejected, resumed, self._step_tokens) = K.match(
             counts, ends, token_ids, self._token_limit, self._rs, self._hs, self._tails,
             self._window, self._flags, self._idx, self._scratch, out, contiguous, pk.keys,
             pk.paths, pk.table, pk.meta, pk.free, self._max_parked, self._max_per_key,
@@ -237,14 +237,14 @@ class RowTracker:
         sum, and the draft tokens judged. Rows that no longer hold their path
         contiguously count nothing and get ``sent[j] = 0`` (in place)."""
         accepted = self._accepted[:len(rows)]
-        kept, judged = K._accepted(rows, paths, sent, self._path, self._state, self._counts,
-                                   accepted)
+        kept, judged = K.accepted(rows, paths, sent, self._path, self._state, self._counts,
+                                  accepted)
         return accepted, kept, judged
 
     def _start(self, step: RowUpdate, token_ids, js) -> None:
         """New paths for the rows ``js`` of ``step``, which no former or
         parked path fits: every token before the first sampled one is the
-        prompt (its hash: the row's window, K._match)."""
+        prompt (its hash: the row's window, K.match)."""
         rows = step.rows[js]
         ids = np.asarray(self._paths.start_paths(token_ids, rows, step.begins[js],
                                                  self._window[rows, 0]), np.int64)
@@ -266,7 +266,7 @@ class RowTracker:
                 tails[0, :old] = self._tails[0]
             rs[2] = 0
             self._rs, self._hs, self._tails = rs, hs, tails
-            self._window = np.zeros((n, MAX_MISSED + 1), np.uint64)  # see K._match
+            self._window = np.zeros((n, MAX_MISSED + 1), np.uint64)  # see K.match
             self._flags = np.zeros((2, n), np.bool_)
             self._idx = np.zeros((2, n), np.int64)
             self._out = np.zeros((2, 4, n), np.int64)  # two: last step's stay valid a step

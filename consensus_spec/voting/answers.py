@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
-from .equivalence import _ENGINE, _MathEngine  # noqa: F401  (re-exported for tests/tools)
+from .equivalence import ENGINE, MathEngine  # noqa: F401  (re-exported for tests/tools)
 
 MAX_TEXT_CHARS = 32_768  # answers sit at the end; bounds all regex work
 MAX_ANSWER_CHARS = 4_096  # a longer "answer" is garbage, not an answer
@@ -346,7 +346,7 @@ def _exact_number(s: str) -> str | None:
 
 def cache_sizes() -> dict[str, list[int]]:
     """[entries held, bound] of the math-verify result caches (this process's)."""
-    return _ENGINE.cache_sizes()
+    return ENGINE.cache_sizes()
 
 
 def answers_equal(a: str | None, b: str | None, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
@@ -367,4 +367,4 @@ def equivalent(a: Canonical, b: Canonical, timeout_s: float = DEFAULT_TIMEOUT_S)
     kinds = {a.kind, b.kind}
     if kinds & {"choice", "text"} or kinds == {"exact"}:
         return False  # different letters / strings / exact rationals
-    return _ENGINE.equal(a.math, b.math, DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+    return ENGINE.equal(a.math, b.math, DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)

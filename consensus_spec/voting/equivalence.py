@@ -4,7 +4,7 @@ Every sympy operation runs in a helper subprocess: sympy can hang inside C
 code (``10^{10^{10}}``, huge factorials) where no signal can interrupt it, so
 the only safe guard is a process we are allowed to kill.  This also makes
 comparisons thread-safe (math-verify's own timeout needs SIGALRM and the main
-thread).  If the helper cannot run, :meth:`_MathEngine.equal` answers False
+thread).  If the helper cannot run, :meth:`MathEngine.equal` answers False
 for distinct strings, so callers fall back to canonical-string equality.
 Model output is never evaluated as Python.
 
@@ -26,7 +26,7 @@ from collections import OrderedDict
 
 logger = logging.getLogger(__name__)
 
-__all__: list[str] = []  # internal: use consensus_spec.voting.answers
+__all__ = ["ENGINE", "MathEngine"]  # the rest internal: use consensus_spec.voting.answers
 
 
 def _close(xs: list[complex], ys: list[complex]) -> bool:
@@ -36,7 +36,7 @@ def _close(xs: list[complex], ys: list[complex]) -> bool:
     return any(abs(x - y) <= 1e-5 * max(1.0, abs(x), abs(y)) for x in xs for y in ys)
 
 
-class _MathEngine:
+class MathEngine:
     """Parent-side client of the sympy subprocess, with result caches."""
 
     CACHE_SIZE = 8192
@@ -179,8 +179,8 @@ def _remember(cache: OrderedDict, key, value, size: int) -> None:
         cache.popitem(last=False)
 
 
-_ENGINE = _MathEngine()
-atexit.register(_ENGINE.close)
+ENGINE = MathEngine()  # the process's one client (answers.equivalent asks it)
+atexit.register(ENGINE.close)
 
 
 # ---------------------------------------------------------------------------

@@ -25,14 +25,17 @@ comparisons, tables and plots again (``--tradeoff-rules``: the rules replayed).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
+from types import SimpleNamespace
 
 from ..options import UsageError, add_option_arg, fail, parse_early_stop, write_json
 from . import report
 from .configs import Parser, build_configs, early_stop_label, max_tokens, parse_waves
-from .llm import add_run_args, check_dependencies, check_run_args, drafter_options, engine_env, load_run
+from .llm import (add_run_args, check_dependencies, check_run_args, drafter_options, engine_config,
+                  engine_env, load_run)
 from .runs import run_all
 
 METHODS = ("none", "ngram", "suffix", "consensus")
@@ -132,9 +135,6 @@ def load_tokenizer(model: str):
 def dry_run(args, problems) -> dict:
     """What a run would do, without an engine: problems, prompts, configs and
     each method's engine settings."""
-    import dataclasses
-
-    from .llm import engine_config
     from .prompts import build_prompt, prompt_style
 
     def rule_dict(rule):
@@ -188,8 +188,6 @@ def load_rows(path: str) -> tuple[dict, list[dict]]:
     """An earlier run's PREFIX.json and its rows, re-graded: pass@1, maj@n and
     the per-problem detail from the recorded answers against the recorded gold
     (:func:`report.score`); each row's stop rule from its ``stop_rule``."""
-    from types import SimpleNamespace
-
     from consensus_spec.sampling.stopping import StopRule
 
     from .datasets import MathProblem

@@ -148,7 +148,7 @@ class BudgetedSuffix:
         against its prior's."""
         cal = self.budget.calibrator
         return {"on": True, "drafted": self.num_drafted, "accepted_judged": self.num_accepted,
-                "calibration_trials": float(cal._trials.sum()), "calibration_prior_trials": cal.prior * cal.bins}
+                "calibration_trials": float(cal.counts()[1].sum()), "calibration_prior_trials": cal.prior * cal.bins}
 
     def _observe(self, sampled, req_ids) -> None:
         judged = [(i, self._sent[r]) for i, r in enumerate(req_ids) if r in self._sent]
