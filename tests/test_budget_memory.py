@@ -28,9 +28,24 @@ def gpu_truth(batch, drafted):
     return 20.0 + 0.05 * batch + 0.3 * drafted
 
 
-def drive(budget, truth, batch, steps, rng):
-    """Synthetic steps through the budget, the guard fed every step too."""
-    online_drive(budget, truth, batch, steps, rng, throughput=True)
+def drive(budget, truth, batch, steps, rng, drafter_ms=0.0, guard_sees=True):
+    """Synthetic steps through the budget, the guard fed every step too: the
+    tokens each step gives are what its drafts' chances promise, and a step
+    that drafts also takes ``drafter_ms`` of the drafter's (a plain one none).
+    ``guard_sees=False``: every step gives tokens in proportion to its time, so
+    the guard finds both policies alike and a test watches the table alone."""
+    for _ in range(steps):
+        budget.floor(batch)
+        first = rng.uniform(0.2, 0.95, batch)
+        probs = np.cumprod(np.tile(first[:, None], (1, K)), axis=1)
+        kept = budget(probs, np.full(batch, K, np.int64), batch)
+        drafted = int(kept.sum())
+        ms = truth(batch, drafted) * (1 + 0.03 * rng.standard_normal())
+        budget.observe_step(batch, drafted, ms, 0.05)
+        accepted = float((probs * (np.arange(K) < kept[:, None])).sum())
+        spent = ms + (0.0 if budget.plain_step else drafter_ms)
+        tokens = batch + int(round(accepted)) if guard_sees else int(round(10 * spent))
+        budget.observe_throughput(tokens, spent / 1000.0)
 
 
 def slope(budget, batch):
@@ -60,16 +75,30 @@ def test_a_malformed_row_is_refused():
         budget.costs.seed([{"B": 8, "q": 1, "ms": -1.0}])
 
 
-def test_a_measured_prior_that_holds_costs_no_windows_and_no_exploration(learned_rows):
+def test_a_measured_prior_that_holds_costs_no_exploration_and_a_window_in_max_period(learned_rows):
+    from consensus_spec.budget.guard import FIRST_PERIOD, MAX_PERIOD, WINDOW
+
     fresh = DraftBudget(COST_MODELS["h200_7b"], online=True)
-    drive(fresh, gpu_truth, 64, 600, np.random.default_rng(1))
-    assert fresh.learning_cost()["forced_plain_steps"] > 0  # what a cold start pays
+    drive(fresh, gpu_truth, 64, 800, np.random.default_rng(1))
+    paid = fresh.learning_cost()["forced_plain_steps"]  # what a cold start pays
     budget = DraftBudget(COST_MODELS["h200_7b"], online=True, measured=learned_rows)
-    drive(budget, gpu_truth, 64, 600, np.random.default_rng(1))
+    drive(budget, gpu_truth, 64, 800, np.random.default_rng(1))
     cost = budget.learning_cost()
-    assert cost["forced_plain_steps"] == 0 and cost["explored_steps"] == 0
-    assert cost["windows_skipped"] > 0 and cost["tokens_given_up"] == 0.0
+    assert cost["explored_steps"] == 0 and cost["windows_skipped"] > 0
+    # due windows are put off until MAX_PERIOD steps have passed: one window in 800 steps
+    assert cost["forced_plain_steps"] == WINDOW < paid and 800 < 2 * (MAX_PERIOD + FIRST_PERIOD)
     assert cost["disagreements"] == 0 and cost["measured_buckets"] == 1
+
+
+def test_a_measured_prior_that_holds_still_checks_that_drafting_pays_for_its_drafter(learned_rows):
+    """The table is right about the engine's steps, but the drafter's own time
+    (which the table leaves out) eats more than drafts gain: the rare windows
+    find it, look sooner, and switch drafting off."""
+    budget = DraftBudget(COST_MODELS["h200_7b"], online=True, measured=learned_rows)
+    batch = 64
+    drive(budget, gpu_truth, batch, 1500, np.random.default_rng(3), drafter_ms=15.0)
+    assert budget.costs.settled(batch) and budget.costs.disagreements == 0
+    assert budget.guard.summary()["drafting_off_at_rows"] == [64]
 
 
 def test_an_engine_that_disagrees_is_learned_then_settles_again(learned_rows):
@@ -77,7 +106,7 @@ def test_an_engine_that_disagrees_is_learned_then_settles_again(learned_rows):
     tripled = lambda b, m: 20.0 + 0.05 * b + 0.9 * m  # noqa: E731
     budget = DraftBudget(COST_MODELS["h200_7b"], online=True, measured=learned_rows)
     rng = np.random.default_rng(2)
-    drive(budget, tripled, 64, 1200, rng)
+    drive(budget, tripled, 64, 1500, rng, guard_sees=False)
     cost = budget.learning_cost()
     assert cost["disagreements"] >= 1 and cost["resettled"] >= 1
     # drafts cost more than the table said, enough that none pays (at 0.9 ms
@@ -87,7 +116,7 @@ def test_an_engine_that_disagrees_is_learned_then_settles_again(learned_rows):
     # settled on the new answer: learning stops (a probe now and then, which
     # finds drafts no cheaper and leaves the answer as it was)
     before = budget.learning_cost()
-    drive(budget, tripled, 64, 400, rng)
+    drive(budget, tripled, 64, 400, rng, guard_sees=False)
     after = budget.learning_cost()
     assert budget.costs.settled(64)
     assert after["forced_plain_steps"] - before["forced_plain_steps"] <= 4
@@ -108,7 +137,9 @@ def test_a_table_the_engine_agrees_with_is_saved_as_it_came():
     table = [{"B": 64, "q": q, "ms": kinked(64, (q - 1) * 64), "noise": 0.03}
              for q in (1, 1.25, 1.5, 2, 3, 5, 9)]
     budget = DraftBudget(COST_MODELS["h200_7b"], online=True, measured=table)
-    drive(budget, kinked, 64, 600, np.random.default_rng(3))
+    # the guard fed as in test_online_costs, and fewer steps than its first window in a
+    # settled bucket (MAX_PERIOD): this test is about the table, the guard's are above
+    online_drive(budget, kinked, 64, 350, np.random.default_rng(3), throughput=True)
     assert budget.learning_cost()["disagreements"] == 0
     saved = budget.costs.export()
     assert [(r["B"], r["q"], r["ms"], r["noise"]) for r in saved] == \
@@ -116,7 +147,7 @@ def test_a_table_the_engine_agrees_with_is_saved_as_it_came():
     assert all(r["drafter_ms"] > 0 for r in saved)  # the drafter's time as measured
     # once the engine contradicts it, what is saved is what the engine said
     tripled = lambda b, m: 20.0 + 0.05 * b + 0.9 * m  # noqa: E731
-    drive(budget, tripled, 64, 1200, np.random.default_rng(4))
+    online_drive(budget, tripled, 64, 1200, np.random.default_rng(4), throughput=True)
     assert budget.learning_cost()["disagreements"] >= 1
     relearned = budget.costs.export()
     assert sorted(r["q"] for r in relearned) == [1, 2, 3, 5, 9]

@@ -13,9 +13,11 @@ guard switches: on a shared machine a stall of a few steps now and then
 falls on a window or on the steps it is paired with, so one window's ratio
 is clipped and weighed against how much the windows disagree. Windows grow
 rarer while the verdict holds, so a settled engine pays little for the check.
-Where a measured step-cost table holds (``settled``, see measured.py) the
-windows are skipped while drafting is on: they would only find what the
-table says.
+Where a measured step-cost table holds (``settled``, see measured.py) and
+drafting is on, windows come only every ``MAX_PERIOD`` steps until one
+disagrees: the table already says what drafts cost the engine, but not
+whether drafting pays for the drafter's own time, which a table a server
+remembered from another load (or another machine's neighbours) may not.
 
 The plain side is plain without the drafter: where the guard's policy is no
 drafts (``off``, outside a window) the proposer skips the drafter as well,
@@ -54,7 +56,7 @@ _NUM_BUCKETS = len(_BUCKETS)
 
 class _Bucket:
     __slots__ = ("drafting", "period", "countdown", "left", "window", "before", "verdict",
-                 "scatter", "worst", "windows", "switches")
+                 "scatter", "worst", "windows", "switches", "skipped")
 
     def __init__(self):
         self.drafting = True     # the policy most steps follow
@@ -68,6 +70,7 @@ class _Bucket:
         self.worst = 0.0         # the highest window ratio since the last switch
         self.windows = 0
         self.switches = 0
+        self.skipped = 0         # steps of due windows put off since the last one (settled)
 
 
 class DraftingGuard:
@@ -75,14 +78,14 @@ class DraftingGuard:
     what each step delivered (:meth:`observe`, for the step just run)."""
 
     def __init__(self, settled=None):
-        self._settled = settled  # batch -> True where a measured table holds (no windows there)
+        self._settled = settled  # batch -> True where a measured table holds (rare windows there)
         self._buckets: dict[int, _Bucket] = {}
         self._last: tuple[_Bucket, bool] | None = None  # bucket, was a window step
         self.windows = 0
         self.switches = 0
         self.steps_other = 0  # steps run against the current policy, to check it
         self.steps_forced_plain = 0  # of those, plain steps while drafting was the policy
-        self.windows_skipped = 0     # due windows left out where a measured table holds
+        self.windows_skipped = 0     # due windows put off where a measured table holds
         self.tokens_given_up = 0.0   # windows' tokens short of the steps before them, summed
         self.off = False  # the last decision: no drafts by policy (not a window), so no drafter
 
@@ -95,10 +98,16 @@ class DraftingGuard:
         if b.left == 0:
             b.countdown -= 1
             if b.countdown <= 0:
-                if b.drafting and self._settled is not None and self._settled(batch):
+                if (b.drafting and b.worst <= MARGIN and b.skipped < MAX_PERIOD
+                        and self._settled is not None and self._settled(batch)):
+                    # a measured table holds: a window once in MAX_PERIOD steps (asked
+                    # again each period, so a table the engine stops agreeing with, or
+                    # a window against drafting, brings the usual schedule back)
+                    b.skipped += b.period
                     b.countdown = b.period
                     self.windows_skipped += 1
                 else:
+                    b.skipped = 0
                     b.left, b.window = WINDOW, [0.0, 0.0]
         in_window = b.left > 0
         if in_window:

@@ -10,8 +10,9 @@ pseudo-steps are forgotten as they come (``DECAY``).
 While the fit stays within its own uncertainty (and a tolerance) of the
 table, for the step time at the bucket's drafting level and for one more
 draft token per row, the bucket is *settled*: it never explores and the
-guard runs no windows of plain steps there (their only use is to find what
-the table already says). When the engine disagrees, most of the table's
+guard's windows of plain steps come only once in its ``MAX_PERIOD`` steps
+there (the table says what drafts cost the engine; a window checks that
+drafting also pays for the drafter's own time). When the engine disagrees, most of the table's
 weight is dropped and the bucket learns as it would without a measurement,
 exploring while uncertain; once that stops (the answer is clear) the fit
 becomes the bucket's new reference and it is settled again.
