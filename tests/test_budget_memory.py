@@ -29,23 +29,12 @@ def gpu_truth(batch, drafted):
 
 
 def drive(budget, truth, batch, steps, rng, drafter_ms=0.0, guard_sees=True):
-    """Synthetic steps through the budget, the guard fed every step too: the
-    tokens each step gives are what its drafts' chances promise, and a step
-    that drafts also takes ``drafter_ms`` of the drafter's (a plain one none).
-    ``guard_sees=False``: every step gives tokens in proportion to its time, so
-    the guard finds both policies alike and a test watches the table alone."""
-    for _ in range(steps):
-        budget.floor(batch)
-        first = rng.uniform(0.2, 0.95, batch)
-        probs = np.cumprod(np.tile(first[:, None], (1, K)), axis=1)
-        kept = budget(probs, np.full(batch, K, np.int64), batch)
-        drafted = int(kept.sum())
-        ms = truth(batch, drafted) * (1 + 0.03 * rng.standard_normal())
-        budget.observe_step(batch, drafted, ms, 0.05)
-        accepted = float((probs * (np.arange(K) < kept[:, None])).sum())
-        spent = ms + (0.0 if budget.plain_step else drafter_ms)
-        tokens = batch + int(round(accepted)) if guard_sees else int(round(10 * spent))
-        budget.observe_throughput(tokens, spent / 1000.0)
+    """Synthetic steps through the budget, the guard fed every step too with
+    the tokens their drafts promise (``guard_sees=False``: in proportion to
+    the step's time, so the guard finds both policies alike and a test
+    watches the table alone); a step that drafts also takes ``drafter_ms``."""
+    online_drive(budget, truth, batch, steps, rng, throughput=True, drafter_ms=drafter_ms,
+                 gives="promised" if guard_sees else "neutral")
 
 
 def slope(budget, batch):

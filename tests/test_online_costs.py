@@ -18,10 +18,14 @@ def linear_truth(batch, drafted):
     return 5.0 + 0.8 * (batch + drafted)
 
 
-def drive(budget, truth, batch, steps, rng, noise=0.03, outlier_every=0, throughput=False):
+def drive(budget, truth, batch, steps, rng, noise=0.03, outlier_every=0, throughput=False,
+          gives="fixed", drafter_ms=0.0):
     """Steps of synthetic drafts through the budget; each step's time from
     ``truth`` (with relative noise, and a 10x outlier every ``outlier_every``);
-    ``throughput``: the guard is fed every step too."""
+    ``throughput``: the guard is fed every step too, with the tokens the step
+    ``gives``: ``fixed`` 0.6 a draft token, ``promised`` what its drafts'
+    chances promise, ``neutral`` in proportion to its time (the guard finds
+    both policies alike); a step that drafts also takes ``drafter_ms``."""
     for t in range(steps):
         budget.floor(batch)
         first = rng.uniform(0.2, 0.95, batch)
@@ -33,7 +37,14 @@ def drive(budget, truth, batch, steps, rng, noise=0.03, outlier_every=0, through
             ms *= 10
         budget.observe_step(batch, drafted, ms, 0.05)
         if throughput:
-            budget.observe_throughput(batch + int(0.6 * drafted), ms / 1000.0)
+            spent = ms + (0.0 if budget.plain_step else drafter_ms)
+            if gives == "fixed":
+                tokens = batch + int(0.6 * drafted)
+            elif gives == "promised":
+                tokens = batch + int(round(float((probs * (np.arange(K) < kept[:, None])).sum())))
+            else:
+                tokens = int(round(10 * spent))
+            budget.observe_throughput(tokens, spent / 1000.0)
 
 
 def learned_slope(budget, batch):
