@@ -71,7 +71,7 @@ class RunOptionsIn(Strict):
     library's one parser (:mod:`consensus_spec.sampling.options`), so an
     object's keys are the dataclass's fields and their defaults its own."""
 
-    # True: the library's default StopRule (bayes, error 0.002); a kind
+    # True: the library's default StopRule (StopRule()); a kind
     # name or text like "bayes:0.01"; a margin > 0; an object of StopRule
     # fields; false/null: all n paths (parse_stop_rule).
     early_stop: Union[bool, str, float, dict, None] = True

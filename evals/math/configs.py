@@ -51,7 +51,8 @@ def build_configs(args) -> list[tuple]:
     """(n, Schedule, StopRule or None) for every --n x --waves x --early-stop,
     without duplicates; all-at-once with a whole-wave check could never stop,
     so that combination is skipped."""
-    from consensus_spec.sampling.waves import REST, Schedule
+    from consensus_spec.sampling.options import resolve_schedule
+    from consensus_spec.sampling.waves import Schedule
 
     configs, skipped = [], []
     for n in args.n:
@@ -59,7 +60,7 @@ def build_configs(args) -> list[tuple]:
             for rule in args.early_stop:
                 fill = True
                 if waves == "auto":
-                    waves_here = Schedule().waves if rule is not None else (REST,)
+                    waves_here = resolve_schedule(None, rule).waves  # the library's default
                 else:
                     waves_here, fill = waves.waves, waves.fill_idle
                 check = args.check if rule is not None else "index"  # no rule: no check at all
