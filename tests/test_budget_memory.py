@@ -65,7 +65,7 @@ def test_a_malformed_row_is_refused():
 
 
 def test_a_measured_prior_that_holds_costs_no_exploration_and_a_window_in_max_period(learned_rows):
-    from consensus_spec.budget.guard import FIRST_PERIOD, MAX_PERIOD, WINDOW
+    from consensus_spec.budget.guard import MAX_PERIOD, WINDOW
 
     fresh = DraftBudget(COST_MODELS["h200_7b"], online=True)
     drive(fresh, gpu_truth, 64, 800, np.random.default_rng(1))
@@ -74,8 +74,8 @@ def test_a_measured_prior_that_holds_costs_no_exploration_and_a_window_in_max_pe
     drive(budget, gpu_truth, 64, 800, np.random.default_rng(1))
     cost = budget.learning_cost()
     assert cost["explored_steps"] == 0 and cost["windows_skipped"] > 0
-    # due windows are put off until MAX_PERIOD steps have passed: one window in 800 steps
-    assert cost["forced_plain_steps"] == WINDOW < paid and 800 < 2 * (MAX_PERIOD + FIRST_PERIOD)
+    # due windows are put off until MAX_PERIOD steps have passed: two windows in 800 steps
+    assert cost["forced_plain_steps"] == WINDOW * (800 // MAX_PERIOD) < paid
     assert cost["disagreements"] == 0 and cost["measured_buckets"] == 1
 
 

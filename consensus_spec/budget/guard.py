@@ -98,11 +98,11 @@ class DraftingGuard:
         if b.left == 0:
             b.countdown -= 1
             if b.countdown <= 0:
-                if (b.drafting and b.worst <= MARGIN and b.skipped < MAX_PERIOD
+                if (b.drafting and b.worst <= MARGIN and b.skipped + b.period < MAX_PERIOD
                         and self._settled is not None and self._settled(batch)):
-                    # a measured table holds: a window once in MAX_PERIOD steps (asked
-                    # again each period, so a table the engine stops agreeing with, or
-                    # a window against drafting, brings the usual schedule back)
+                    # a measured table holds: a window once MAX_PERIOD steps have passed
+                    # (asked again each period, so a table the engine stops agreeing with,
+                    # or a window against drafting, brings the usual schedule back)
                     b.skipped += b.period
                     b.countdown = b.period
                     self.windows_skipped += 1
