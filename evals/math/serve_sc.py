@@ -63,7 +63,7 @@ def ask(base_url: str, config: str, prob: dict, args) -> dict:
     full = config == "endpoint-full"
     if config in ("endpoint", "endpoint-full"):  # the native route; the others take the body as is
         body.update(early_stop=not full, return_paths=full)
-    if config in ("endpoint", "endpoint-openai") and args.schedule:  # a named schedule, not the load's
+    if config == "endpoint" and args.schedule:  # a named schedule; endpoint-openai keeps the load's
         body["schedule"] = args.schedule
     route = {"endpoint-openai": "/v1/self_consistency/completions", "endpoint": "/v1/self_consistency",
              "endpoint-full": "/v1/self_consistency"}.get(config, "/v1/completions")
@@ -301,7 +301,7 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--run-ahead", default="default", choices=("default", "throughput", "measured", "idle"),
                     help="the endpoint's CONSENSUS_SPEC_SC_RUN_AHEAD (default: unset)")
-    ap.add_argument("--schedule", help="a schedule the endpoint configs name in each request (default: none)")
+    ap.add_argument("--schedule", help="a schedule the endpoint config names (endpoint-openai: the load's)")
     ap.add_argument("--warmup", type=int, default=64, help="untimed problems each server answers "
                     "first, at the highest concurrency; 0: one request")
     ap.add_argument("--seed", type=int, default=1000)
