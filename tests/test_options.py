@@ -24,8 +24,7 @@ from evals.options import UsageError, parse_early_stop
 
 # a valid value other than the default, for each field an outside form may set
 OTHER = {StopRule: {"kind": "sequential", "error": 0.1, "min_samples": 2, "window": 5, "margin": 4},
-         Schedule: {"waves": (4, "rest"), "capacity": 8, "check": "path", "fill_idle": False,
-                   "escalate": True},
+         Schedule: {"waves": (4, "rest"), "capacity": 8, "check": "path", "fill_idle": False},
          Voting: {"weighted": True, "weight_method": "softmax", "confidence_keep": 0.5,
                   "confidence_window": 8, "timeout_s": 2.0, "extract": str.strip}}
 

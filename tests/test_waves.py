@@ -93,24 +93,6 @@ def test_waves_open_one_after_another_and_fill_capacity():
     assert plan.num_inflight == 4 and plan.waves_started(0) == 3 and plan.waves_started(2) == 1
 
 
-def test_escalate_opens_every_path_left_once_a_due_wave_finds_the_vote_split():
-    """Waves of 2 with ``escalate``: a problem whose paths agree goes on in
-    waves of 2; one whose paths disagree when its next wave is due gets every
-    path left at once (a split vote needs most of them anyway)."""
-    schedule = Schedule.parse("2+escalate")  # unbounded capacity: no idle fill
-    assert schedule.escalate and schedule.describe() == "2+escalate"
-    assert Schedule.parse(schedule.describe()) == schedule
-    plan = PathPlanner(2, n=8, schedule=schedule)
-    assert plan.admit() == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert plan.on_finish(0, 0, "7") == ([], [])
-    assert plan.on_finish(0, 1, "7") == ([(0, 2), (0, 3)], [])  # agreed: the next wave of 2
-    assert plan.on_finish(1, 0, "7") == ([], [])
-    assert plan.on_finish(1, 1, "9") == ([(1, k) for k in range(2, 8)], [])  # split: the rest
-    assert plan.waves_started(1) == 4 and plan.waves_started(0) == 2
-    assert plan.on_finish(0, 2, "7") == ([], [])
-    assert plan.on_finish(0, 3, "5") == ([(0, k) for k in range(4, 8)], [])  # split later
-
-
 def test_stop_from_outside_ends_a_problem_as_a_settled_vote_does():
     plan = PathPlanner(2, n=4, schedule=Schedule(waves=(2, REST), capacity=3))
     assert plan.admit() == [(0, 0), (0, 1), (1, 0)]

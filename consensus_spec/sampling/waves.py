@@ -27,7 +27,7 @@ REST = "rest"
 DEFAULT_WAVES: tuple[int | str, ...] = (2,)
 CHECKS = ("index", "wave", "path")
 _FLAGS = {"no-fill": ("fill_idle", False), "path-check": ("check", "path"),
-          "wave-check": ("check", "wave"), "escalate": ("escalate", True)}  # describe() suffixes
+          "wave-check": ("check", "wave")}  # describe() suffixes
 
 
 @dataclass(frozen=True)
@@ -54,9 +54,6 @@ class Schedule:
     a problem that stops are aborted.  It trades a few tokens for the tail of
     a run: without it, the last problems' waves run one after another on a
     nearly empty batch.
-    ``escalate``: when a problem's next wave is due and its finished paths
-    do not all agree, every path left is opened at once: a split vote needs
-    most of them anyway, and waves of 2 one after another are the tail.
 
     Default waves ``(2,)``, waves of 2 voted after every path in path
     order, with ``fill_idle``: the engine keeps two paths of a problem in
@@ -72,7 +69,6 @@ class Schedule:
     capacity: int | None = None
     check: str = "index"
     fill_idle: bool = True
-    escalate: bool = False
 
     def __post_init__(self) -> None:
         waves = self.waves
@@ -93,9 +89,8 @@ class Schedule:
             raise ValueError(f"Schedule.capacity must be None or an int >= 1, got {cap!r}")
         if self.check not in CHECKS:
             raise ValueError(f"Schedule.check must be one of {CHECKS}, got {self.check!r}")
-        for name in ("fill_idle", "escalate"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"Schedule.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.fill_idle, bool):
+            raise ValueError(f"Schedule.fill_idle must be a bool, got {self.fill_idle!r}")
 
     @classmethod
     def parse(cls, spec: str, **kwargs) -> "Schedule":
@@ -142,8 +137,6 @@ class Schedule:
         text = "all" if self.all_at_once else ",".join(str(w) for w in self.waves)
         if not self.fill_idle and not self.all_at_once:
             text += "+no-fill"
-        if self.escalate and not self.all_at_once:
-            text += "+escalate"
         return text + ("" if self.check == "index" else f"+{self.check}-check")
 
 
@@ -281,9 +274,6 @@ class PathPlanner:
             return self._stop(p, st)
         if st.checked > st.wave or (self.schedule.check == "path" and finished == st.opened):
             self._open_next(p)  # every opened wave finished: the next one is due
-            if self.schedule.escalate and len(set(st.answers)) > 1:
-                while self._open_next(p):  # a split vote: the rest at once
-                    pass
         return self.admit(), []
 
     def stop(self, p: int) -> tuple[list, list]:
