@@ -12,8 +12,8 @@ table, for the step time at the bucket's drafting level and for one more
 draft token per row, the bucket is *settled*: it never explores and the
 guard's windows of plain steps come only once in its ``MAX_PERIOD`` steps
 there (the table says what drafts cost the engine; a window checks that
-drafting also pays for the drafter's own time). When the engine disagrees, most of the table's
-weight is dropped and the bucket learns as it would without a measurement,
+drafting also pays for the drafter's own time). When the engine disagrees,
+most of the table's weight is dropped and the bucket learns as it would without a measurement,
 exploring while uncertain; once that stops (the answer is clear) the fit
 becomes the bucket's new reference and it is settled again.
 
