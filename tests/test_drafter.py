@@ -127,6 +127,7 @@ def test_memory_stays_flat_over_ten_thousand_paths():
     assert peak <= limit + 2 * 8 * 3 * 12 + 8 * 12
     assert len(d.forest._nodes) <= limit + limit // 64 + 2 * 8 * 3 * 12 + 8 * 12
     assert d.evictions > 10 and d.live_groups_evicted == 0  # only finished groups went
+    assert 0 < d.eviction_max_s <= d.eviction_s  # each rotation timed
     assert d.num_groups <= 20_000 // 8
     assert d.num_paths == 0 and len(d._path_group) == 64  # released ids are reused
     # group rows: remembered groups (20,000 prompt tokens, 16 a group: 1,250)

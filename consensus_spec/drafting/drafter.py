@@ -41,6 +41,7 @@ The bound on each structure:
 
 from __future__ import annotations
 
+import time
 from itertools import chain
 from dataclasses import dataclass, fields
 
@@ -104,6 +105,9 @@ class ConsensusDrafter(PathRegistry):
         self.groups_evicted = 0  # group tries dropped (forgotten ones included)
         self.live_groups_evicted = 0  # of those, groups with unreleased paths
         self.nodes_evicted = 0
+        # what the rotations took, summed, and the longest (wall): an eviction is a
+        # pause inside one step, so its worst case is what a server's tail sees
+        self.eviction_s = self.eviction_cpu_s = self.eviction_max_s = 0.0
 
     @property
     def num_tries(self) -> int:
@@ -276,6 +280,7 @@ class ConsensusDrafter(PathRegistry):
         group still live in it (a very long generation) loses its trie, and
         its paths re-attach at the root of a new one (see _attach).
         O(groups + paths), no pass over the nodes."""
+        wall, cpu = time.perf_counter(), time.process_time()
         f = self.forest
         dropped = f.old
         self.nodes_evicted += f.num_nodes(dropped)
@@ -291,6 +296,10 @@ class ConsensusDrafter(PathRegistry):
         # The cross-group trie takes every path's tokens: left in the old half
         # it would fill it and drop that half's live groups early.
         self._new_cross()
+        wall = time.perf_counter() - wall
+        self.eviction_s += wall
+        self.eviction_cpu_s += time.process_time() - cpu
+        self.eviction_max_s = max(self.eviction_max_s, wall)
 
     def drop_tries(self) -> None:
         """Start every trie afresh (a new arena), keeping paths and their

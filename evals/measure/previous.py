@@ -22,11 +22,12 @@ import sys
 import tarfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo
-# main before issue 50 (new paths and prompts off the Python path), after the budget
-# guard's change ab012eb, so both codes draft alike (440a09e, the default until
-# 2026-12-06, predates it: its lock-step check failed): what `python -m evals
-# propose-time` compares against by default
-PREVIOUS = "2df8630"
+# what `python -m evals propose-time` compares against by default: main before the
+# kernels got public names and the guard checked settled buckets (2026-12-07), so
+# both codes draft alike and both have the drafter's public halves the phase split
+# times (2df8630, the default before, drafts otherwise on some 256-row runs, since
+# the guard weighs the drafter's time: docs/host_time.md)
+PREVIOUS = "5cc4525"
 
 
 def _git(*args: str) -> bytes:

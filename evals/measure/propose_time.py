@@ -2,7 +2,7 @@
 against the previous one, in one run.
 
     python -m evals propose-time [--traces FILE ...] [--limit 100] [--rows 16 64 128 256 512]
-                                 [--previous 2df8630] [--repeats 3] [--out results/propose_time]
+                                 [--previous 5cc4525] [--repeats 3] [--out results/propose_time]
 
 vLLM runs a custom proposer serially between model steps, so every
 microsecond it takes is added to every step. Each trace set is replayed
@@ -16,12 +16,11 @@ the median (or p99) over the calls of a run, and the range over repeats.
 One more run of each code, instrumented, splits every call into
 - row tracking: ``RowTracker.update`` and ``.accepted``;
 - trie extension and drafting: the drafter's one compiled call, made as
-  its two compiled steps here (extend every row, then draft every row:
-  the same drafts), each timed with its thin Python wrapper;
+  its two public halves here (``extend_from`` every row, room-making and
+  attaching paths included, then ``draft`` every row: the same drafts);
 - budget: ``DraftBudget``'s floor, the call that keeps draft lengths and
   what it observes (calibration, step costs, the guard);
-- glue: the rest of propose(), the drafter's bookkeeping around its
-  compiled call included (the timers' own cost lands here too).
+- glue: the rest of propose() (the timers' own cost lands here too).
 Each phase's median and p99 per row-step over the calls.
 
 Last, both codes are driven in lock step on one deterministic clock, and
@@ -37,6 +36,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import inspect
 import sys
 import time
 
@@ -111,33 +111,25 @@ class TimedBudget:
 
 
 def split_drafter(drafter, calls: Calls):
-    """``drafter.extend_and_draft`` as its two compiled steps, each timed:
-    the forest's ``extend_rows`` and ``draft_many`` (both codes have them,
-    and the drafts are the same); the drafter's bookkeeping around them
-    (room, attaching paths) is glue."""
-    full = sys.modules[type(drafter.forest).__module__].ForestFull
-
+    """``drafter.extend_and_draft`` (one compiled call) as its two public
+    halves, each timed: ``extend_from`` (room, attaching paths, extending
+    the tries) and ``draft`` (the walks), the same drafts."""
     def extend_and_draft(paths, buffer, rows, begins, ends, max_tokens, min_prob=None):
-        drafter._make_room()
-        for _ in range(3):
-            ids = drafter._attached(paths)
-            try:
-                t = time.thread_time()
-                nodes = drafter.forest.extend_rows(drafter._cursor[ids], buffer, rows, begins, ends)
-                calls.now["extend"] += time.thread_time() - t
-                break
-            except full:
-                drafter._rotate()
-        drafter._cursor[ids] = nodes
-        o = drafter.options
-        floor = o.min_prob if min_prob is None else max(o.min_prob, min_prob)
         t = time.thread_time()
-        max_tokens = np.asarray(max_tokens, np.int32)
-        out = drafter.forest.draft_many(nodes[:, 0], nodes[:, 1], o.cross_group_weight, max_tokens,
-                                        int(max_tokens.max(initial=0)), floor, o.min_match, o.prior)
-        calls.now["draft"] += time.thread_time() - t
+        drafter.extend_from(paths, buffer, rows, begins, ends)
+        t1 = time.thread_time()
+        calls.now["extend"] += t1 - t
+        out = drafter.draft(paths, max_tokens, min_prob)
+        calls.now["draft"] += time.thread_time() - t1
         return out
     return extend_and_draft
+
+
+def splittable(package) -> bool:
+    """Whether the code's drafter has the public halves the split times
+    (2df8630's ``draft`` takes no ``min_prob``)."""
+    draft = package.drafting.drafter.ConsensusDrafter.draft
+    return "min_prob" in inspect.signature(draft).parameters
 
 
 def instrument(proposer, calls: Calls) -> None:
@@ -255,7 +247,8 @@ def run(args) -> dict:
                 for code in (list(codes) if r % 2 == 0 else list(codes)[::-1]):
                     timed[code].append(run_one(codes[code], problems, rows, args, costs, False))
             for code in codes:
-                split = run_one(codes[code], problems, rows, args, costs, True)
+                split = (run_one(codes[code], problems, rows, args, costs, True)
+                         if splittable(codes[code]) else None)
                 results.append({"traces": name, "rows": rows, "code": code, "runs": timed[code],
                                 "split": split})
             check = lockstep(codes, problems, rows, args, costs)
@@ -288,6 +281,10 @@ def markdown(data: dict, reference: list[float]) -> str:
               + " | instrumented total |", "|" + "---|" * 9]
     for r in results:
         s = r["split"]
+        if s is None:
+            lines.append(f"| {short(r['traces'])} | {r['rows']} | {r['code']} | "
+                         "no split: its drafter lacks the public halves (`splittable`) |")
+            continue
         lines.append(f"| {short(r['traces'])} | {r['rows']} | {r['code']} | "
                      + " | ".join(f"{s[p + '_median']:.2f} / {s[p + '_p99']:.1f}"
                                   for p in (*PHASES, "glue"))

@@ -57,6 +57,14 @@ def timed(fn, cpu_clock, out: list):
     return call
 
 
+def eviction_times(drafter) -> dict:
+    """The drafter's rotations: mean and longest wall ms, mean CPU ms."""
+    n = max(drafter.evictions, 1)
+    return {"eviction_ms_mean": 1e3 * drafter.eviction_s / n,
+            "eviction_ms_max": 1e3 * drafter.eviction_max_s,
+            "eviction_cpu_ms_mean": 1e3 * drafter.eviction_cpu_s / n}
+
+
 class Monitor:
     """``replay``'s per-step hook: cuts the run into windows of generated tokens."""
 
@@ -67,10 +75,8 @@ class Monitor:
         self.windows: list[dict] = []
         self.peak_nodes = self.peak_bytes = self.peak_capacity = 0
         self.window_peak = 0
-        self.evict_s: list[tuple[float, float]] = []  # (wall, CPU) seconds per eviction
         self.t0 = time.perf_counter()
         self._last_counters = self.counters()
-        self._timed = None
         self.arena_bytes = proposer.drafter.forest.nbytes
         self.arena_changes = 0
         self.calls: list[tuple[float, float]] = []  # (wall, thread CPU) seconds per propose() call
@@ -81,20 +87,11 @@ class Monitor:
         return {k: getattr(d, k) for k in ("evictions", "groups_evicted", "live_groups_evicted",
                                             "nodes_evicted")}
 
-    def _time_evictions(self) -> None:
-        """Wrap the drafter's rotation to time each one (the drafter object
-        is rebuilt if a step ever fails, hence checked every step)."""
-        d = self.proposer.drafter
-        if self._timed is not d:
-            d._rotate = timed(d._rotate, time.process_time, self.evict_s)
-            self._timed = d
-
     def end_pass(self, stats) -> None:
         for k in self.base:
             self.base[k] += getattr(stats, k)
 
     def __call__(self, stats) -> None:
-        self._time_evictions()
         forest = self.proposer.drafter.forest
         nodes = forest.num_nodes()
         self.window_peak = max(self.window_peak, nodes)
@@ -211,10 +208,7 @@ def run(args) -> dict:
         "rss_start_mb": rss0, "rss_end_mb": rss_mb(),
         "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         **monitor.counters(),  # evictions, groups (live ones) and nodes evicted
-        "eviction_ms_mean": 1e3 * sum(w for w, _ in monitor.evict_s) / max(len(monitor.evict_s), 1),
-        "eviction_ms_max": 1e3 * max((w for w, _ in monitor.evict_s), default=0.0),
-        "eviction_cpu_ms_mean": 1e3 * sum(c for _, c in monitor.evict_s)
-        / max(len(monitor.evict_s), 1),
+        **eviction_times(proposer.drafter),
         "failed_steps": failed_steps, "check_failures": failures,
         "check_passed": not failures and not failed_steps,
     }
