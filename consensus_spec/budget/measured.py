@@ -13,9 +13,10 @@ draft token per row, the bucket is *settled*: it never explores and the
 guard's windows of plain steps come only once in its ``MAX_PERIOD`` steps
 there (the table says what drafts cost the engine; a window checks that
 drafting also pays for the drafter's own time). When the engine disagrees,
-most of the table's weight is dropped and the bucket learns as it would without a measurement,
-exploring while uncertain; once that stops (the answer is clear) the fit
-becomes the bucket's new reference and it is settled again.
+most of the table's weight is dropped and the bucket learns as it would
+without a measurement, exploring while uncertain; once that stops (the
+answer is clear) the fit becomes the bucket's new reference and it is
+settled again.
 
 A bucket whose budget drafts nothing has no evidence left on what a draft
 costs: a table (or a fit) that overstates it would keep drafting off for
