@@ -678,3 +678,51 @@ def test_auto_dtype_is_float32_on_a_cpu_without_native_bf16(monkeypatch):
     assert llm.engine_dtype("bfloat16") == "bfloat16"
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     assert llm.engine_dtype("auto") == "auto"
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/status") as f:
+                    ppid = next(int(line.split()[1]) for line in f if line.startswith("PPid:"))
+            except (OSError, StopIteration):
+                continue
+            if ppid == pid:
+                out.append(int(entry))
+    return out
+
+
+def test_an_isolated_engine_process_ends_when_its_parent_is_killed():
+    """evals runs each engine in a spawned process (runs.isolated); a parent
+    killed by a signal runs no cleanup, and its worker, left behind, kept
+    1.3 GB and CPU time on a 2-core machine for as long as nobody looked."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    parent = subprocess.Popen([sys.executable, "-c", "import time; from evals.math.runs import "
+                               "isolated; isolated(time.sleep, 300)"], cwd=REPO)
+    try:
+        deadline = time.monotonic() + 60
+        workers = []
+        while not workers and time.monotonic() < deadline:
+            time.sleep(0.2)
+            workers = [p for p in _children(parent.pid)
+                       if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+        assert workers, "the worker never started"
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{w}") for w in workers):
+            time.sleep(0.2)
+        alive = [w for w in workers if os.path.exists(f"/proc/{w}")]
+        for w in alive:
+            os.kill(w, signal.SIGKILL)
+        assert not alive, "the worker outlived its parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()

@@ -88,9 +88,32 @@ def run_configs(method: str, configs: list[tuple], args, problems, max_tokens: i
 
 def isolated(fn, *args):
     """``fn(*args)`` in a fresh process (spawned: nothing of this one's
-    engines, threads or heap carries over); its result, or its exception."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    engines, threads or heap carries over); its result, or its exception.
+    The process ends with this one, however this one ends."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
         return pool.submit(fn, *args).result()
+
+
+def die_with_parent(parent: int) -> None:
+    """In a worker: be killed when ``parent``, the process that spawned it,
+    ends. A parent killed by a signal (``timeout``, ``kill``) runs none of
+    its cleanup, and a worker left behind keeps its engine's memory and
+    cores busy under whatever runs next. Linux's ``PR_SET_PDEATHSIG``
+    (elsewhere, nothing); the parent must spawn the worker from a thread
+    that outlives it, as :func:`isolated`'s caller, waiting on it, does."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:  # 1: PR_SET_PDEATHSIG
+        print(f"evals: worker {os.getpid()} cannot ask to end with its parent "
+              f"(errno {ctypes.get_errno()})", file=sys.stderr, flush=True)
+        return
+    if os.getppid() != parent:  # the parent ended before the line above
+        os._exit(1)
 
 
 def run_all(args, problems, max_tokens: int) -> list[dict]:
