@@ -680,19 +680,13 @@ def test_auto_dtype_is_float32_on_a_cpu_without_native_bf16(monkeypatch):
     assert llm.engine_dtype("auto") == "auto"
 
 
-def _children(pid: int) -> list[int]:
-    """Processes whose parent is ``pid`` (from /proc)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/status") as f:
-                    ppid = next(int(line.split()[1]) for line in f if line.startswith("PPid:"))
-            except (OSError, StopIteration):
-                continue
-            if ppid == pid:
-                out.append(int(entry))
-    return out
+def _cmdline(pid: int) -> bytes:
+    """``pid``'s command line (empty once it has gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 def test_an_isolated_engine_process_ends_when_its_parent_is_killed():
@@ -704,6 +698,8 @@ def test_an_isolated_engine_process_ends_when_its_parent_is_killed():
     import sys
     import time
 
+    from evals.math.servers import process_tree
+
     parent = subprocess.Popen([sys.executable, "-c", "import time; from evals.math.runs import "
                                "isolated; isolated(time.sleep, 300)"], cwd=REPO)
     try:
@@ -711,8 +707,7 @@ def test_an_isolated_engine_process_ends_when_its_parent_is_killed():
         workers = []
         while not workers and time.monotonic() < deadline:
             time.sleep(0.2)
-            workers = [p for p in _children(parent.pid)
-                       if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+            workers = [p for p in process_tree(parent.pid)[1:] if b"spawn_main" in _cmdline(p)]
         assert workers, "the worker never started"
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait(10)
