@@ -721,3 +721,45 @@ def test_an_isolated_engine_process_ends_when_its_parent_is_killed():
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_a_benchmark_server_is_stopped_when_its_parent_is_killed(tmp_path):
+    """evals' servers (servers.VllmServer) lead their own process group, so
+    a parent killed by a signal left them serving; now the server gets
+    SIGTERM (vLLM's API server then shuts its engine core down). A stand-in
+    server records the signal it got."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    got = tmp_path / "got"
+    stand_in = ("import signal, sys, time\n"
+                "def term(*_):\n"
+                f"    open({str(got)!r}, 'w').write('SIGTERM'); sys.exit(0)\n"
+                "signal.signal(signal.SIGTERM, term)\n"
+                "time.sleep(120)\n")
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\nfrom evals.math.servers import VllmServer\n"
+        f"s = VllmServer([], {str(tmp_path / 'log')!r})\n"
+        f"s.cmd = [sys.executable, '-c', {stand_in!r}]\n"
+        "s.start(); print(s.proc.pid, flush=True); time.sleep(120)\n")],
+        cwd=REPO, stdout=subprocess.PIPE, text=True)
+    server = None
+    try:
+        server = int(parent.stdout.readline())
+        time.sleep(1.0)  # the stand-in's handler is set
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not got.exists():
+            time.sleep(0.2)
+        assert got.exists() and got.read_text() == "SIGTERM", "the server was not told to stop"
+        while time.monotonic() < deadline and _cmdline(server):
+            time.sleep(0.2)
+        assert not _cmdline(server), "the server outlived its parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        if server is not None and _cmdline(server):
+            os.kill(server, signal.SIGKILL)

@@ -13,6 +13,7 @@ import dataclasses
 import gc
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -21,6 +22,7 @@ from ..options import write_json
 from . import report
 from .configs import early_stop_label
 from .llm import build_llm, engine_config, proposer_counters, shutdown
+from .servers import end_with_parent
 
 
 WARMUP_QUESTION = "Mia has 3 apples. Mia buys 2 more apples. How many apples does Mia have now?"
@@ -97,23 +99,12 @@ def isolated(fn, *args):
 
 def die_with_parent(parent: int) -> None:
     """In a worker: be killed when ``parent``, the process that spawned it,
-    ends. A parent killed by a signal (``timeout``, ``kill``) runs none of
-    its cleanup, and a worker left behind keeps its engine's memory and
-    cores busy under whatever runs next. Linux's ``PR_SET_PDEATHSIG``
-    (elsewhere, nothing); the parent must spawn the worker from a thread
-    that outlives it, as :func:`isolated`'s caller, waiting on it, does."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    import signal
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:  # 1: PR_SET_PDEATHSIG
-        print(f"evals: worker {os.getpid()} cannot ask to end with its parent "
-              f"(errno {ctypes.get_errno()})", file=sys.stderr, flush=True)
-        return
-    if os.getppid() != parent:  # the parent ended before the line above
-        os._exit(1)
+    ends (:func:`~evals.math.servers.end_with_parent`); the parent must
+    spawn the worker from a thread that outlives it, as :func:`isolated`'s
+    caller, waiting on it, does."""
+    if not end_with_parent(signal.SIGKILL, parent) and sys.platform.startswith("linux"):
+        print(f"evals: worker {os.getpid()} cannot ask to end with its parent", file=sys.stderr,
+              flush=True)
 
 
 def run_all(args, problems, max_tokens: int) -> list[dict]:

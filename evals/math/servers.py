@@ -1,7 +1,8 @@
 """A vLLM OpenAI API server as a child process, for benchmarks and the
 server tests: its flags, its own process group (always stopped, SIGKILL
-after a grace period), a health wait, its log, and the CPU time of its
-whole process tree (API server, engine core, workers) read from /proc."""
+after a grace period; SIGTERM when the process that started it is killed),
+a health wait, its log, and the CPU time of its whole process tree (API
+server, engine core, workers) read from /proc."""
 
 from __future__ import annotations
 
@@ -17,6 +18,35 @@ from pathlib import Path
 HOST = "127.0.0.1"
 PLUGINS = "consensus_spec_vllm_cpu_fixes,consensus_spec_self_consistency"  # VLLM_PLUGINS of the routes
 SERVED = "consensus-tiny"  # --served-model-name
+
+
+_PR_SET_PDEATHSIG = 1
+_prctl = None  # libc's prctl, looked up before any fork (a forked child only calls it)
+
+
+def end_with_parent(sig: int, parent: int | None = None) -> bool:
+    """Ask Linux to send this process ``sig`` when the thread that started
+    it ends (``PR_SET_PDEATHSIG``); with ``parent``, exit at once if that
+    parent has ended already. A parent killed by a signal runs none of its
+    cleanup, and what it started would keep its engine's memory and cores
+    busy under whatever runs next. False where it cannot (not Linux)."""
+    if _prctl is None or _prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        return False
+    if parent is not None and os.getppid() != parent:  # it ended before the line above
+        os._exit(1)
+    return True
+
+
+if sys.platform.startswith("linux"):
+    import ctypes
+
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+
+def _server_child() -> None:
+    """In the server's process, between fork and exec: SIGTERM (vLLM's
+    API server then shuts its engine core down) when its starter ends."""
+    end_with_parent(signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -72,7 +102,9 @@ def process_group(pgid: int) -> list[int]:
 
 class VllmServer:
     """``python -m vllm.entrypoints.openai.api_server <args>`` on a free port,
-    logging to ``log_path``; ``env`` is added to this process's environment."""
+    logging to ``log_path``; ``env`` is added to this process's environment.
+    The server is sent SIGTERM when the thread that called :meth:`start`
+    ends, so start it from one that outlives it (the main thread)."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict | None = None,
                  name: str = "vllm", cwd: Path | None = None):
@@ -98,7 +130,8 @@ class VllmServer:
         self.started_at = time.monotonic()
         self.proc = subprocess.Popen(self.cmd, cwd=self.cwd, env={**os.environ, **self.env},
                                      stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=_server_child)
         return self
 
     def alive(self) -> bool:
