@@ -15,6 +15,7 @@ import pytest
 
 from consensus_spec.sampling.stopping import StopRule  # noqa: E402
 from consensus_spec.sampling.waves import Schedule  # noqa: E402
+from evals.math import report  # noqa: E402
 from tests.evals_cli import REPO, ok, run_evals
 
 REPO_MODEL = os.path.join(REPO, "consensus_spec", "model")  # the embedded model
@@ -117,6 +118,7 @@ def fake_model(tmp_path):
     (["--waves", "four"], "--waves expects"),
     (["--waves", "all", "--early-stop", "--check", "wave"], "no configuration left"),
     (["--capacity", "0"], "--capacity must be >= 1"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
     (["--check", "step"], "invalid choice"),
     (["--option", "no_such_option=1"], "bad --option"),
     (["--bogus-flag"], "unrecognized arguments"),
@@ -553,6 +555,47 @@ def test_comparisons_table_and_plots(tmp_path):
     for png in ("r.png", "r_tradeoff.png"):
         assert (tmp_path / png).stat().st_size > 1000
     assert f"wrote {out}.json, {out}.md, {out}.png, {out}_tradeoff.png" in stdout
+
+
+def test_repeats_compare_within_each_repeat_and_report_the_spread(tmp_path):
+    pp = [problem(0, "1"), problem(1, "2")]
+    walls = {(0, "none"): 10.0, (0, "consensus"): 8.0, (1, "none"): 12.0, (1, "consensus"): 5.0,
+             (2, "none"): 9.0, (2, "consensus"): 10.0}
+    rows = [row(m, 4, pp, repeat=k, wall_time_s=w, cpu_time_s=2 * w, tokens_per_s=100 / w)
+            for (k, m), w in walls.items()]
+    stdout, data, _ = from_json(tmp_path, rows)
+    speedups = {(r["repeat"], r["method"]): r["wall_speedup"] for r in data["results"]}
+    # each repeat against its own plain none, never another repeat's
+    assert speedups[0, "consensus"] == pytest.approx(10 / 8)
+    assert speedups[1, "consensus"] == pytest.approx(12 / 5)
+    assert speedups[2, "consensus"] == pytest.approx(9 / 10)
+    assert all(speedups[k, "none"] == 1.0 for k in range(3))
+    (entry,) = report.spread(data["results"])
+    assert entry["method"] == "consensus" and entry["repeats"] == 3
+    assert entry["wall"] == pytest.approx(sorted([10 / 8, 12 / 5, 9 / 10]))
+    assert entry["wall_summed"] == pytest.approx(31 / 23) and entry["cpu_summed"] == pytest.approx(31 / 23)
+    assert "| consensus | 4 | all | off | 3 | 1.25 (0.90–2.40), summed 1.35 | 1.25 (0.90–2.40), " \
+           "summed 1.35 |" in stdout
+    assert stdout.count("| 1 | consensus | 4 |") == 1  # the table says which repeat each row is
+
+
+def test_repeats_alternate_the_methods_order(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from evals.math import runs
+
+    ran = []
+
+    def fake_isolated(fn, method, configs, *rest):
+        ran.append(method)
+        return [{"method": method, "n": n} for n, _, _ in configs]
+
+    monkeypatch.setattr(runs, "isolated", fake_isolated)
+    args = SimpleNamespace(methods=["none", "consensus"], configs=[(16, None, None)], reuse_engine=False,
+                           repeats=3, out=str(tmp_path / "m"))
+    rows = runs.run_all(args, [], 8)
+    assert ran == ["none", "consensus", "consensus", "none", "none", "consensus"]
+    assert [r["repeat"] for r in rows] == [0, 0, 1, 1, 2, 2]
 
 
 def test_replay_measures_stopping_error_on_plain_samples(tmp_path):

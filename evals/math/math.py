@@ -8,7 +8,9 @@
 Each method runs :func:`consensus_spec.sampling.self_consistency` over the same
 problems for every ``--n`` x ``--waves`` x ``--early-stop`` setting, each run
 on a fresh vLLM engine (built, warmed up, measured and shut down in turn;
-``--reuse-engine`` keeps one engine per method).  ``--early-stop off on``
+``--reuse-engine`` keeps one engine per method; ``--repeats R`` runs it all
+R times, the methods' order reversed each time, and reports each speedup's
+median and range over the repeats).  ``--early-stop off on``
 compares plain self-consistency (all n at once) with adaptive stopping (the
 default stop rule checked after whole waves of the default schedule) in one
 invocation.  Each row has pass@1, maj@n, tokens, tokens/s, wall time, batch
@@ -77,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reuse-engine", action="store_true",
                     help="one engine per method for all configs (faster startup, but drafters "
                          "and the prefix cache remember earlier passes over the same problems)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every method and config this many times, the methods' order "
+                         "reversed each time (A B, B A, ...), and report each speedup's median "
+                         "and range over the repeats: a shared machine's drift weighs on every "
+                         "method alike (default 1)")
     ap.add_argument("--no-plot", dest="plot", action="store_false")
     ap.add_argument("--out", default="results/math", help="output prefix (.json, .md, .png)")
     ap.add_argument("--from-json", metavar="RESULTS",
@@ -102,7 +109,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.methods = list(dict.fromkeys(args.methods))
     if args.scouts is not None:
         raise UsageError("--scouts was removed: --scouts S is --waves S,rest (0: --waves all)")
-    check_run_args(args, ("limit", "k", "capacity"))
+    check_run_args(args, ("limit", "k", "capacity", "repeats"))
     args.n = sorted(set(args.n))
     if args.ngram_lookup and not 1 <= args.ngram_lookup[0] <= args.ngram_lookup[1]:
         raise UsageError("--ngram-lookup needs 1 <= MIN <= MAX")
@@ -223,8 +230,9 @@ def report_rows(args, rows, problems, dataset_name: str) -> int:
     table = report.markdown(rows)
     print(table)
     points, tradeoff = None, ""
-    if any(r["_stop_rule"] is not None for r in rows) and any(map(report.is_plain, rows)):
-        points = report.tradeoff(rows, args.tradeoff_rules)
+    first = [r for r in rows if r.get("repeat", 0) == 0]  # the replays: one repeat's samples are enough
+    if any(r["_stop_rule"] is not None for r in first) and any(map(report.is_plain, first)):
+        points = report.tradeoff(first, args.tradeoff_rules)
         tradeoff = report.tradeoff_markdown(points)
         print("\nstop rules replayed on the plain runs' samples:\n" + tradeoff)
     written = write_outputs(args, rows, problems, dataset_name, table, points, tradeoff)

@@ -10,6 +10,7 @@ independent runs add).
 
 from __future__ import annotations
 
+import statistics
 from typing import Iterable
 
 from ..adaptive.stop_rules import prefix_tallies, replay_order, wave_ends
@@ -48,7 +49,23 @@ def answer_agreement(row: dict, ref: dict) -> float | None:
                for a, b in pairs) / len(pairs)
 
 
+def repeats(rows: list[dict]) -> list[list[dict]]:
+    """The rows of each repeat (``python -m evals math --repeats``), in order;
+    rows written before repeats existed are one repeat."""
+    out: dict[int, list[dict]] = {}
+    for r in rows:
+        out.setdefault(r.get("repeat", 0), []).append(r)
+    return [out[k] for k in sorted(out)]
+
+
 def add_comparisons(rows: list[dict]) -> None:
+    """:func:`compare` within each repeat: a repeat's rows against its own
+    ``none`` and plain runs, measured beside them."""
+    for part in repeats(rows):
+        compare(part)
+
+
+def compare(rows: list[dict]) -> None:
     """Per row: ``speedup`` (tokens/s vs ``none`` at the same n, waves and
     early stop: the drafting gain), ``wall_speedup`` (wall time of plain
     ``none`` at the same n over this row's: the end-to-end gain),
@@ -75,13 +92,14 @@ def add_comparisons(rows: list[dict]) -> None:
 
 
 def noise_floor(rows: list[dict]) -> list[tuple[str, str, int, float]]:
-    """Full-n answer agreement between plain runs of different methods: what
-    two independent runs of n samples agree on (the floor for ``agreement``)."""
+    """Full-n answer agreement between plain runs of different methods (in
+    the same repeat): what two independent runs of n samples agree on (the
+    floor for ``agreement``)."""
     plains = [r for r in rows if is_plain(r)]
     out = []
     for i, a in enumerate(plains):
         for b in plains[i + 1:]:
-            if a["n"] == b["n"]:
+            if a["n"] == b["n"] and a.get("repeat", 0) == b.get("repeat", 0):
                 value = answer_agreement(a, b)
                 if value is not None:
                     out.append((a["method"], b["method"], a["n"], value))
@@ -165,14 +183,17 @@ def _f(value, fmt: str) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| method | n | waves | early stop | pass@1 | maj@n | agree w/ plain full-n | "
-            "replay agree | tokens | tokens vs plain | samples/problem | stopped | tok/s | wall s | "
+    many = len(repeats(rows)) > 1
+    head = (("| repeat " if many else "") + "| method | n | waves | early stop | pass@1 | maj@n | "
+            "agree w/ plain full-n | replay agree | tokens | tokens vs plain | samples/problem | "
+            "stopped | tok/s | wall s | "
             "speedup (tok/s) | wall speedup vs plain none | cpu s | cpu speedup vs plain none | "
             "batch fill | accept len | drafted | accepted |")
-    lines = [head, "|" + "---|" * 22]
+    lines = [head, "|" + "---|" * (22 + many)]
     for r in rows:
         lines.append(
-            f"| {r['method']} | {r['n']} | {r['waves']} | {r['early_stop']} | "
+            (f"| {r.get('repeat', 0)} " if many else "")
+            + f"| {r['method']} | {r['n']} | {r['waves']} | {r['early_stop']} | "
             f"{r['pass_at_1']:.3f} | {r['maj_at_n']:.3f} | {_f(r.get('agreement'), '.3f')} | "
             f"{_f(r.get('replay_agreement'), '.3f')} | {r['tokens']} | "
             f"{_f(r.get('tokens_vs_plain'), '.3f')} | {_f(r.get('samples_per_problem'), '.2f')} | "
@@ -181,11 +202,58 @@ def markdown(rows: list[dict]) -> str:
             f"{_f(r.get('cpu_time_s'), '.1f')} | {_f(r.get('cpu_speedup'), '.2f')} | "
             f"{_f(r.get('batch_fill'), '.3f')} | {_f(r['mean_acceptance_length'], '.2f')} | "
             f"{r['drafted_tokens']} | {r['accepted_tokens']} |")
+    if many:
+        lines += ["", spread_markdown(rows)]
     floor = noise_floor(rows)
     if floor:
         lines += ["", "Full-n answer agreement between plain runs (two independent samples; the "
                   "floor for 'agree w/ plain full-n'): " + ", ".join(
                       f"{a} vs {b} (n={n}) {v:.3f}" for a, b, n, v in floor)]
+    return "\n".join(lines)
+
+
+def _key(r: dict) -> tuple:
+    return r["method"], r["n"], r["waves"], r["early_stop"]
+
+
+def spread(rows: list[dict]) -> list[dict]:
+    """Per method and config (plain ``none`` left out): its wall and CPU
+    speedups over the plain ``none`` run of each repeat, their median and
+    range, and the summed wall and CPU times' ratio."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if not (r["method"] == "none" and is_plain(r)):
+            groups.setdefault(_key(r), []).append(r)
+    bases = {(r.get("repeat", 0), r["n"]): r for r in rows if r["method"] == "none" and is_plain(r)}
+    out = []
+    for (method, n, waves, early_stop), rs in groups.items():
+        pairs = [(bases.get((r.get("repeat", 0), n)), r) for r in rs]
+        pairs = [(b, r) for b, r in pairs if b is not None]
+        entry = dict(method=method, n=n, waves=waves, early_stop=early_stop, repeats=len(pairs))
+        for name, field in (("wall", "wall_time_s"), ("cpu", "cpu_time_s")):
+            ratios = sorted(b[field] / r[field] for b, r in pairs if b.get(field) and r.get(field))
+            entry[name] = ratios
+            total = sum(r.get(field) or 0 for _, r in pairs)
+            entry[name + "_summed"] = (sum(b.get(field) or 0 for b, _ in pairs) / total
+                                       if total and len(ratios) == len(pairs) else None)
+        out.append(entry)
+    return out
+
+
+def spread_markdown(rows: list[dict]) -> str:
+    def cell(ratios: list[float], summed) -> str:
+        if not ratios:
+            return "-"
+        return (f"{statistics.median(ratios):.2f} ({ratios[0]:.2f}–{ratios[-1]:.2f})"
+                + ("" if summed is None else f", summed {summed:.2f}"))
+
+    lines = ["Speedup over plain none, per repeat (methods in alternating order): median (range), "
+             "and the ratio of the summed times", "",
+             "| method | n | waves | early stop | repeats | wall | cpu |", "|---|---|---|---|---|---|---|"]
+    for e in spread(rows):
+        lines.append(f"| {e['method']} | {e['n']} | {e['waves']} | {e['early_stop']} | "
+                     f"{e['repeats']} | {cell(e['wall'], e['wall_summed'])} | "
+                     f"{cell(e['cpu'], e['cpu_summed'])} |")
     return "\n".join(lines)
 
 
@@ -210,7 +278,7 @@ def plot(rows: list[dict], path: str) -> bool:
         series.setdefault(label, []).append(r)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for label, rs in series.items():
-        rs = sorted(rs, key=lambda r: r["n"])
+        rs = _median_per_n(rs)
         ns = [r["n"] for r in rs]
         sp = [r.get("wall_speedup") for r in rs]
         if any(s is not None for s in sp):
@@ -234,6 +302,21 @@ def plot(rows: list[dict], path: str) -> bool:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     return save_figure(plt, fig, path)
+
+
+def _median_per_n(rows: list[dict]) -> list[dict]:
+    """One point per n (repeats: the median speedup, the mean accuracies), by n."""
+    by_n: dict[int, list[dict]] = {}
+    for r in rows:
+        by_n.setdefault(r["n"], []).append(r)
+    out = []
+    for n in sorted(by_n):
+        rs = by_n[n]
+        sp = [r["wall_speedup"] for r in rs if r.get("wall_speedup") is not None]
+        out.append(dict(n=n, wall_speedup=statistics.median(sp) if sp else None,
+                        maj_at_n=statistics.fmean(r["maj_at_n"] for r in rs),
+                        pass_at_1=statistics.fmean(r["pass_at_1"] for r in rs)))
+    return out
 
 
 def plot_tradeoff(rows: list[dict], points: list[dict], path: str) -> bool:

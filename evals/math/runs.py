@@ -108,17 +108,23 @@ def die_with_parent(parent: int) -> None:
 
 
 def run_all(args, problems, max_tokens: int) -> list[dict]:
-    """Every method x config.  By default each config gets a fresh engine:
-    the suffix and consensus drafters remember earlier outputs per prompt and
-    vLLM caches prompt prefixes, so a second pass over the same problems in
-    one engine would be measured with an unfair head start."""
+    """Every method x config, ``args.repeats`` times.  By default each config
+    gets a fresh engine: the suffix and consensus drafters remember earlier
+    outputs per prompt and vLLM caches prompt prefixes, so a second pass over
+    the same problems in one engine would be measured with an unfair head
+    start.  Each repeat runs the methods in the reverse of the order before
+    it (A B, B A, A B, ...): on a machine whose speed drifts while it runs
+    (a shared one), each method then meets the drift alike, and the rows say
+    which ``repeat`` they belong to."""
     rows: list[dict] = []
-    for method in args.methods:
-        for configs in [args.configs] if args.reuse_engine else [[c] for c in args.configs]:
-            rows += isolated(run_configs, method, configs, args, problems, max_tokens)
-            # rows so far, for long runs (math.main removes the file once all is written)
-            write_json(args.out + ".partial.json", {"results": report.public(rows)},
-                       indent=None, default=str)
+    for repeat in range(getattr(args, "repeats", 1)):
+        for method in args.methods if repeat % 2 == 0 else args.methods[::-1]:
+            for configs in [args.configs] if args.reuse_engine else [[c] for c in args.configs]:
+                done = isolated(run_configs, method, configs, args, problems, max_tokens)
+                rows += [{**row, "repeat": repeat} for row in done]
+                # rows so far, for long runs (math.main removes the file once all is written)
+                write_json(args.out + ".partial.json", {"results": report.public(rows)},
+                           indent=None, default=str)
     return rows
 
 
