@@ -6,6 +6,7 @@ server, engine core, workers) read from /proc."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -21,7 +22,8 @@ SERVED = "consensus-tiny"  # --served-model-name
 
 
 _PR_SET_PDEATHSIG = 1
-_prctl = None  # libc's prctl, looked up before any fork (a forked child only calls it)
+# libc's prctl, looked up before any fork (a forked child only calls it); None off Linux
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 
 
 def end_with_parent(sig: int, parent: int | None = None) -> bool:
@@ -29,18 +31,13 @@ def end_with_parent(sig: int, parent: int | None = None) -> bool:
     it ends (``PR_SET_PDEATHSIG``); with ``parent``, exit at once if that
     parent has ended already. A parent killed by a signal runs none of its
     cleanup, and what it started would keep its engine's memory and cores
-    busy under whatever runs next. False where it cannot (not Linux)."""
+    busy under whatever runs next. False where it cannot (not Linux, or
+    prctl refused)."""
     if _prctl is None or _prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
         return False
     if parent is not None and os.getppid() != parent:  # it ended before the line above
         os._exit(1)
     return True
-
-
-if sys.platform.startswith("linux"):
-    import ctypes
-
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl
 
 
 def _server_child() -> None:
