@@ -212,26 +212,21 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _key(r: dict) -> tuple:
-    return r["method"], r["n"], r["waves"], r["early_stop"]
-
-
 def spread(rows: list[dict]) -> list[dict]:
-    """Per method and config (plain ``none`` left out): its wall and CPU
-    speedups over the plain ``none`` run of each repeat, their median and
-    range, and the summed wall and CPU times' ratio."""
-    groups: dict[tuple, list[dict]] = {}
-    for r in rows:
-        if not (r["method"] == "none" and is_plain(r)):
-            groups.setdefault(_key(r), []).append(r)
+    """Per method and config (plain ``none`` left out), over the repeats: its
+    wall and CPU speedups (:func:`add_comparisons`' per-repeat figures),
+    sorted, and the ratio of the summed times to the plain ``none`` runs'."""
     bases = {(r.get("repeat", 0), r["n"]): r for r in rows if r["method"] == "none" and is_plain(r)}
+    groups: dict[tuple, list[tuple[dict, dict]]] = {}
+    for r in rows:
+        base = bases.get((r.get("repeat", 0), r["n"]))
+        if base is not None and base is not r:
+            groups.setdefault((r["method"], r["n"], r["waves"], r["early_stop"]), []).append((base, r))
     out = []
-    for (method, n, waves, early_stop), rs in groups.items():
-        pairs = [(bases.get((r.get("repeat", 0), n)), r) for r in rs]
-        pairs = [(b, r) for b, r in pairs if b is not None]
+    for (method, n, waves, early_stop), pairs in groups.items():
         entry = dict(method=method, n=n, waves=waves, early_stop=early_stop, repeats=len(pairs))
         for name, field in (("wall", "wall_time_s"), ("cpu", "cpu_time_s")):
-            ratios = sorted(b[field] / r[field] for b, r in pairs if b.get(field) and r.get(field))
+            ratios = sorted(r[name + "_speedup"] for _, r in pairs if r.get(name + "_speedup") is not None)
             entry[name] = ratios
             total = sum(r.get(field) or 0 for _, r in pairs)
             entry[name + "_summed"] = (sum(b.get(field) or 0 for b, _ in pairs) / total
